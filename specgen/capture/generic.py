@@ -1,0 +1,58 @@
+"""Fallback capture backend for any other Hugging Face causal LM: forward hooks on decoder layers.
+
+Only the decoder (`model.get_decoder()`) runs, so the LM head and its logits are never computed.
+A forward hook on each requested decoder layer copies that layer's output into the aux buffer as
+it is produced; `output_hidden_states` stays off, so no other layer output is kept. The decoder
+gets no attention mask: with right padding the causal mask alone is exact for real positions.
+
+The decoder layers are found as the decoder's ModuleList with `num_hidden_layers` entries. This
+path is checked against `output_hidden_states` for GPT-2 only; it warns so that other
+architectures get a look before they are trusted.
+"""
+
+import warnings
+from functools import partial
+
+import torch
+import transformers
+
+from specgen.capture.target import CaptureOutput, TargetCapture
+from specgen.errors import SpecgenError
+
+
+def find_decoder_layers(decoder: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:
+    """The first ModuleList of `num_layers` modules inside `decoder` (e.g. `layers`, GPT-2's `h`)."""
+    for module in decoder.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
+            return module
+    raise SpecgenError(f"could not find the {num_layers} decoder layers of {type(decoder).__name__} for capture; "
+                       f"this architecture needs a dedicated capture backend (see specgen/capture/)")
+
+
+class HookCapture(TargetCapture):
+    """Runs the target's decoder with forward hooks on the requested layers."""
+
+    backend = "generic"
+
+    def __init__(self, model: transformers.PreTrainedModel, aux_layers: list[int] | None):
+        super().__init__(model, aux_layers)
+        self._decoder = model.get_decoder()
+        self._layers = find_decoder_layers(self._decoder, self.num_layers)
+        warnings.warn(f"{type(model).__name__} has no dedicated capture backend; using the generic forward-hook "
+                      f"backend (validated on GPT-2 only: spot-check its hidden states against "
+                      f"output_hidden_states before a large run)", stacklevel=3)
+
+    def _forward(self, input_ids: torch.LongTensor) -> CaptureOutput:
+        aux = self._new_aux_buffer(input_ids)
+        hooks = [self._layers[layer].register_forward_hook(partial(self._hook, aux, layer))
+                 for layer in self.aux_layers]
+        try:
+            output = self._decoder(input_ids=input_ids, use_cache=False, output_hidden_states=False)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        # ModelOutput and tuple outputs both carry the final-norm output first.
+        return CaptureOutput(aux_hidden_states=aux, last_hidden_state=output[0])
+
+    def _hook(self, aux: torch.Tensor, layer: int, module: torch.nn.Module, args: tuple, output) -> None:
+        self._keep_if_requested(aux, layer, output[0] if isinstance(output, tuple) else output)

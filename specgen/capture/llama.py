@@ -1,0 +1,71 @@
+"""Capture backend for Llama-family models (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE).
+
+These share one structure: `model.model.{embed_tokens, rotary_emb, layers, norm}` around
+`lm_head`. We replay the body of the HF `*Model.forward` ourselves, calling the HF decoder-layer
+modules directly, so that only the running hidden state and the requested layer outputs are
+alive at any time and `lm_head` is never applied.
+
+Attention masks come from transformers' own `masking_utils`, called with no padding mask: for
+right-padded batches the causal mask alone is exact for every real position. The mask builders
+return what each attention implementation needs: `None` for sdpa/flash (which then run their
+`is_causal` kernels; transformers' eager attention applies *no* masking when given `None`, so
+eager gets an explicit additive causal mask), and sliding-window masks for layers that use them.
+"""
+
+import torch
+import transformers
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from specgen.capture.target import CaptureOutput, TargetCapture
+from specgen.errors import SpecgenError
+
+LLAMA_FAMILY = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+})
+
+_MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+def attention_type(config: transformers.PreTrainedConfig, layer: int) -> str:
+    """The mask kind decoder layer `layer` uses, as the HF model code decides it.
+
+    Qwen2/Qwen3 list it per layer in `config.layer_types`; Mistral and Qwen3-MoE use a sliding
+    window on every layer when `config.sliding_window` is set; Llama always attends fully.
+    """
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return layer_types[layer]
+    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+
+class LlamaFamilyCapture(TargetCapture):
+    """Layer-by-layer forward of a Llama-family target keeping only the requested layer outputs."""
+
+    backend = "llama"
+
+    def __init__(self, model: transformers.PreTrainedModel, aux_layers: list[int] | None):
+        super().__init__(model, aux_layers)
+        self._layer_types = [attention_type(model.config, layer) for layer in range(self.num_layers)]
+        unsupported = sorted(set(self._layer_types) - _MASK_BUILDERS.keys())
+        if unsupported:
+            raise SpecgenError(f"{type(model).__name__} uses attention layer types {unsupported}, which the llama "
+                               f"capture backend does not handle; supported: {sorted(_MASK_BUILDERS)}")
+
+    def _forward(self, input_ids: torch.LongTensor) -> CaptureOutput:
+        body = self.model.model
+        hidden_state = body.embed_tokens(input_ids)
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        position_embeddings = body.rotary_emb(hidden_state, position_ids)
+        masks = {
+            kind: _MASK_BUILDERS[kind](config=self.model.config, inputs_embeds=hidden_state, attention_mask=None,
+                                       past_key_values=None, position_ids=position_ids)
+            for kind in set(self._layer_types)
+        }
+        aux = self._new_aux_buffer(input_ids)
+        for index, decoder_layer in enumerate(body.layers[:self.num_layers]):
+            output = decoder_layer(hidden_state, attention_mask=masks[self._layer_types[index]],
+                                   position_ids=position_ids, position_embeddings=position_embeddings)
+            # transformers < 5 returns a tuple whose first element is the hidden state.
+            hidden_state = output[0] if isinstance(output, tuple) else output
+            self._keep_if_requested(aux, index, hidden_state)
+        return CaptureOutput(aux_hidden_states=aux, last_hidden_state=body.norm(hidden_state))

@@ -1,0 +1,151 @@
+"""The target model: loading it, identifying it, and the interface every capture backend offers.
+
+A capture runs the target on a right-padded batch and returns two things per token:
+
+* `aux_hidden_states` [B, T, k*H]: the outputs of the k requested decoder layers (see
+  `specgen.capture.layers` for the indexing convention), concatenated in the order requested;
+* `last_hidden_state` [B, T, H]: the output of the final norm, i.e. exactly what the LM head
+  consumes, so `lm_head(last_hidden_state)` rebuilds the target logits when they are needed.
+
+Logits are never computed here (a full-vocabulary [B, T, V] tensor dwarfs everything else), and
+no layer output beyond the requested ones is kept.
+"""
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import transformers
+
+from specgen.capture.layers import default_aux_layers, validate_aux_layers
+from specgen.errors import SpecgenError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# Config entries that describe how a checkpoint was saved or loaded rather than which model it is:
+# the same weights in another folder, saved by another transformers version or loaded in another
+# dtype or attention implementation must keep the same identity.
+_NON_IDENTITY_CONFIG_KEYS = frozenset({
+    "_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache",
+    "output_hidden_states", "output_attentions", "return_dict",
+})
+
+
+def load_target(path: str | Path, *, dtype: str = "auto", device: str = "cpu",
+                attn_implementation: str | None = None) -> transformers.PreTrainedModel:
+    """Load a local Hugging Face causal LM folder for inference (eval mode, no gradients).
+
+    dtype: "auto" keeps the checkpoint's own dtype (`dtype`/`torch_dtype` in config.json),
+    otherwise one of bfloat16 | float16 | float32. attn_implementation is passed to transformers
+    as is (eager, sdpa, flash_attention_2, ...); None lets transformers choose.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise SpecgenError(f"model.path {str(path)!r} is not a folder; point model.path at a local Hugging Face "
+                           f"model folder (config.json + weights)")
+    if not (folder / "config.json").is_file():
+        raise SpecgenError(f"model.path {str(path)!r} has no config.json; point model.path at a Hugging Face model "
+                           f"folder saved with save_pretrained")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise SpecgenError(f"model.dtype {dtype!r} is not supported; use auto, {', '.join(DTYPES)}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype="auto" if dtype == "auto" else DTYPES[dtype], device_map=device,
+        attn_implementation=attn_implementation,
+    )
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def config_hash(model: transformers.PreTrainedModel) -> str:
+    """sha256 (hex) of the model config's canonical JSON: sorted keys, no whitespace.
+
+    Identifies the target architecture/hyper-parameters so shards and drafts can be matched to it.
+    Private entries (`_...`) and the load-time entries in `_NON_IDENTITY_CONFIG_KEYS` are left out.
+    """
+    canonical = json.dumps(_identity(model.config.to_dict()), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def _identity(config: Any) -> Any:
+    """`config` without private and load-time entries, recursively (composite models nest configs)."""
+    if isinstance(config, dict):
+        return {key: _identity(value) for key, value in config.items()
+                if not (isinstance(key, str) and (key.startswith("_") or key in _NON_IDENTITY_CONFIG_KEYS))}
+    if isinstance(config, list):
+        return [_identity(value) for value in config]
+    return config
+
+
+@dataclass
+class CaptureOutput:
+    """Per-token target states for a right-padded batch; positions >= lengths[b] hold unspecified values."""
+
+    aux_hidden_states: torch.Tensor  # [B, T, k*H], requested layers concatenated in the requested order
+    last_hidden_state: torch.Tensor  # [B, T, H], output of the final norm (the LM head input)
+
+
+class TargetCapture(ABC):
+    """A target forward that keeps only the requested layer outputs and never computes logits.
+
+    Subclasses implement `_forward` for one family of models; `make_capture` picks the subclass.
+    """
+
+    backend: ClassVar[str]
+
+    def __init__(self, model: transformers.PreTrainedModel, aux_layers: list[int] | None):
+        text_config = model.config.get_text_config()
+        self.model = model
+        self.num_layers: int = text_config.num_hidden_layers
+        self.hidden_size: int = text_config.hidden_size
+        self.aux_layers: list[int] = (default_aux_layers(self.num_layers) if aux_layers is None
+                                      else validate_aux_layers(aux_layers, self.num_layers))
+        self._aux_slot = {layer: slot for slot, layer in enumerate(self.aux_layers)}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        """The target's output embedding: `lm_head(last_hidden_state)` gives the target logits."""
+        return self.model.get_output_embeddings()
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.LongTensor, lengths: torch.LongTensor) -> CaptureOutput:
+        """Capture a RIGHT-padded batch: input_ids [B, T], lengths [B] real tokens per row (1..T).
+
+        With right padding every padding key comes after every real query, so the causal mask
+        alone keeps real positions exact; padding positions are computed but meaningless.
+        """
+        if input_ids.dim() != 2 or lengths.shape != input_ids.shape[:1]:
+            raise ValueError(f"expected input_ids [B, T] and lengths [B], got {tuple(input_ids.shape)} "
+                             f"and {tuple(lengths.shape)}")
+        if input_ids.shape[1] == 0 or lengths.min() < 1 or lengths.max() > input_ids.shape[1]:
+            raise ValueError(f"lengths must lie in [1, T={input_ids.shape[1]}], got {lengths.tolist()}")
+        return self._forward(input_ids.to(self.device))
+
+    @abstractmethod
+    def _forward(self, input_ids: torch.LongTensor) -> CaptureOutput:
+        """Run the target on input_ids (already on the model device)."""
+
+    def _new_aux_buffer(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """Output buffer for the requested layers; each one is copied in as soon as it is produced,
+        so no layer output outlives the step that made it."""
+        batch, seq_len = input_ids.shape
+        return torch.empty(batch, seq_len, len(self.aux_layers) * self.hidden_size, dtype=self.dtype,
+                           device=input_ids.device)
+
+    def _keep_if_requested(self, aux: torch.Tensor, layer: int, hidden_state: torch.Tensor) -> None:
+        """Copy the output of decoder layer `layer` into its slot of `aux` if that layer was requested."""
+        slot = self._aux_slot.get(layer)
+        if slot is not None:
+            aux[..., slot * self.hidden_size:(slot + 1) * self.hidden_size] = hidden_state

@@ -1,0 +1,41 @@
+"""Group samples into length-sorted batches under a token budget, to keep padding low."""
+
+from collections.abc import Sequence
+
+from specgen.data.sample import TokenizedSample
+from specgen.errors import SpecgenError
+
+
+def token_budget_batches(samples: Sequence[TokenizedSample], max_tokens: int,
+                         max_batch_size: int | None = None) -> list[list[TokenizedSample]]:
+    """Batches whose padded size (batch size x longest sample) stays within `max_tokens`.
+
+    Samples are sorted longest first (ties keep their input order, so the result is deterministic)
+    and filled greedily: neighbours in that order have similar lengths, so little padding is wasted.
+    A sample longer than the budget forms a batch of its own.
+    """
+    if max_tokens < 1:
+        raise SpecgenError(f"the token budget must be positive, got max_tokens={max_tokens}")
+    if max_batch_size is not None and max_batch_size < 1:
+        raise SpecgenError(f"max_batch_size must be positive or unset, got {max_batch_size}")
+    order = sorted(range(len(samples)), key=lambda i: (-len(samples[i]), i))
+    batches: list[list[TokenizedSample]] = []
+    for i in order:
+        sample = samples[i]
+        if batches:
+            batch = batches[-1]
+            longest = len(batch[0])  # longest first, so the batch's first sample sets its padded length
+            fits_budget = (len(batch) + 1) * longest <= max_tokens
+            fits_size = max_batch_size is None or len(batch) < max_batch_size
+            if fits_budget and fits_size:
+                batch.append(sample)
+                continue
+        batches.append([sample])
+    return batches
+
+
+def padding_efficiency(batches: Sequence[Sequence[TokenizedSample]]) -> float:
+    """Real tokens / padded tokens over all batches (1.0 means no padding)."""
+    real = sum(len(sample) for batch in batches for sample in batch)
+    padded = sum(len(batch) * max(len(sample) for sample in batch) for batch in batches if batch)
+    return real / padded if padded else 1.0

@@ -1,0 +1,223 @@
+"""Stream rows out of a dataset file without loading it whole.
+
+Supported sources: `.json` (a JSON array, or JSON lines saved as .json), `.jsonl`, `.parquet`, and a
+folder written by `datasets.Dataset.save_to_disk` (memory-mapped). Each row comes back as a
+`SourceRecord`; a row that cannot be read (a line that is not JSON, a value that is not an object)
+carries a `RowError` instead of a record so the caller can reject that row and go on.
+"""
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from specgen.errors import RowError, SpecgenError
+
+SUPPORTED = ".json (array or JSON lines), .jsonl, .parquet, or a datasets save_to_disk folder"
+JSON_WHITESPACE = " \t\n\r"
+PARQUET_BATCH_ROWS = 1024
+
+
+@dataclass
+class SourceRecord:
+    index: int  # 0-based row position in the source
+    record: dict | None
+    error: RowError | None
+
+
+def iter_records(path: str | Path, *, chunk_size: int = 1 << 20) -> Iterator[SourceRecord]:
+    """Rows of `path` in order, read lazily. `chunk_size` is the characters read at a time from a JSON array.
+
+    The path is checked now (so a wrong `data.path` fails before any work); rows are read on demand.
+    """
+    path = Path(path)
+    kind = _source_kind(path)
+    if kind == "json" and _starts_with_array(path):
+        return _json_array_records(path, chunk_size)
+    if kind in ("json", "jsonl"):
+        return _json_lines_records(path)
+    if kind == "parquet":
+        return _parquet_records(path)
+    return _saved_dataset_records(path)
+
+
+def count_records(path: str | Path) -> int | None:
+    """Number of rows in `path`, cheaply, for a progress ETA; None when it cannot be known without failing."""
+    path = Path(path)
+    kind = _source_kind(path)
+    if kind == "json" and _starts_with_array(path):
+        try:
+            return sum(1 for _ in _json_array_records(path, 1 << 20))
+        except SpecgenError:
+            return None  # a broken array; iter_records reports where
+    if kind in ("json", "jsonl"):
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    return len(_load_saved_dataset(path))
+
+
+def _source_kind(path: Path) -> str:
+    if not path.exists():
+        raise SpecgenError(f"data.path {path} does not exist; point it at a {SUPPORTED}")
+    if path.is_dir():
+        if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+            return "saved_dataset"
+        raise SpecgenError(f"data.path {path} is a folder without a datasets save_to_disk layout "
+                           f"(no state.json); point it at a {SUPPORTED}")
+    kind = path.suffix.lower().lstrip(".")
+    if kind not in ("json", "jsonl", "parquet"):
+        raise SpecgenError(f"data.path {path} has unsupported type '{path.suffix}'; use a {SUPPORTED}")
+    return kind
+
+
+def _as_record(index: int, value: Any, where: str) -> SourceRecord:
+    if isinstance(value, dict):
+        return SourceRecord(index, value, None)
+    error = RowError("not_an_object", f"{where}: expected a JSON object, got {type(value).__name__}")
+    return SourceRecord(index, None, error)
+
+
+def _json_lines_records(path: Path) -> Iterator[SourceRecord]:
+    """One row per non-blank line; lines are decoded one by one so a bad line (or bad bytes) rejects only itself."""
+    with open(path, "rb") as f:
+        index = 0
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as error:
+                message = f"line {line_number}: not valid JSON ({error.msg} at column {error.colno})"
+                yield SourceRecord(index, None, RowError("invalid_json", message))
+            except UnicodeDecodeError as error:
+                yield SourceRecord(index, None, RowError("invalid_json", f"line {line_number}: not UTF-8 ({error})"))
+            else:
+                yield _as_record(index, value, f"line {line_number}")
+            index += 1
+
+
+def _starts_with_array(path: Path) -> bool:
+    with open(path, "rb") as f:
+        while chunk := f.read(4096):
+            stripped = chunk.lstrip(JSON_WHITESPACE.encode())
+            if stripped:
+                return stripped.startswith(b"[")
+    return False
+
+
+def _json_array_records(path: Path, chunk_size: int) -> Iterator[SourceRecord]:
+    index = 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            for value in _iter_json_array(f, chunk_size):
+                yield _as_record(index, value, f"element {index}")
+                index += 1
+    except (_BrokenJson, UnicodeDecodeError) as error:
+        raise SpecgenError(f"data.path {path}: the JSON array is broken at element {index} ({error}); a JSON "
+                           "array must be valid as a whole, so fix the file or save it as JSON lines, where a "
+                           "bad line only rejects that row") from None
+
+
+class _BrokenJson(Exception):
+    """The JSON array cannot be parsed further."""
+
+
+class _ChunkedText:
+    """A read buffer over a text file: `text[pos:]` is what has been read but not consumed yet."""
+
+    def __init__(self, f: TextIO, chunk_size: int):
+        self.f, self.chunk_size = f, chunk_size
+        self.text, self.pos, self.offset = "", 0, 0  # offset: file characters dropped before `text`
+
+    def read_more(self) -> bool:
+        """Append the next chunk; False at end of file.
+
+        The chunk is at least as long as the unconsumed text, so re-parsing an element that spans
+        many chunks costs linear, not quadratic, time.
+        """
+        chunk = self.f.read(max(self.chunk_size, len(self.text) - self.pos))
+        if not chunk:
+            return False
+        self.offset += self.pos
+        self.text, self.pos = self.text[self.pos:] + chunk, 0
+        return True
+
+    def next_char(self) -> str | None:
+        """Skip whitespace and return the next character without consuming it; None at end of file."""
+        while True:
+            while self.pos < len(self.text) and self.text[self.pos] in JSON_WHITESPACE:
+                self.pos += 1
+            if self.pos < len(self.text):
+                return self.text[self.pos]
+            if not self.read_more():
+                return None
+
+    def error(self, message: str, pos: int | None = None) -> _BrokenJson:
+        where = self.offset + (self.pos if pos is None else pos)
+        return _BrokenJson(f"{message} at character {where}")
+
+
+def _iter_json_array(f: TextIO, chunk_size: int) -> Iterator[Any]:
+    """Yield the elements of a top-level JSON array one by one, holding about one element in memory."""
+    decoder = json.JSONDecoder()
+    buffer = _ChunkedText(f, chunk_size)
+    if buffer.next_char() != "[":
+        raise buffer.error("expected '['")
+    buffer.pos += 1
+    if buffer.next_char() == "]":
+        return
+    while True:
+        yield _decode_element(buffer, decoder)
+        separator = buffer.next_char()
+        if separator == "]":
+            return
+        if separator != ",":
+            raise buffer.error(f"expected ',' or ']' after the element, found {separator!r}")
+        buffer.pos += 1
+        buffer.next_char()
+
+
+def _decode_element(buffer: _ChunkedText, decoder: json.JSONDecoder) -> Any:
+    while True:
+        try:
+            value, end = decoder.raw_decode(buffer.text, buffer.pos)
+        except json.JSONDecodeError as error:
+            if buffer.read_more():
+                continue  # the element runs past the buffer
+            raise buffer.error(error.msg, error.pos) from None
+        # A number or literal that ends exactly at the buffer's end may continue in the next chunk.
+        if end == len(buffer.text) and buffer.read_more():
+            continue
+        buffer.pos = end
+        return value
+
+
+def _parquet_records(path: Path) -> Iterator[SourceRecord]:
+    import pyarrow.parquet as pq
+
+    index = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS):
+        for row in batch.to_pylist():
+            yield SourceRecord(index, row, None)
+            index += 1
+
+
+def _load_saved_dataset(path: Path):
+    import datasets  # imported here: it is slow to import and only this source needs it
+
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        raise SpecgenError(f"data.path {path} holds a DatasetDict with splits {list(loaded)}; point data.path "
+                           f"at one split's folder, e.g. {path / next(iter(loaded))}")
+    return loaded
+
+
+def _saved_dataset_records(path: Path) -> Iterator[SourceRecord]:
+    dataset = _load_saved_dataset(path)  # memory-mapped Arrow: rows are read as they are iterated
+    for index, row in enumerate(dataset):
+        yield SourceRecord(index, row, None)

@@ -1,0 +1,166 @@
+"""Chat template + loss mask, using the tokenizer's own chat template.
+
+No per-model table of header strings: the span of assistant turn i is found by rendering twice,
+
+    prompt = render(messages[:i], add_generation_prompt=True)   # what the server sends the model
+    turn   = render(messages[:i + 1])                            # the same plus the model's reply
+
+The reply is `turn[len(prompt):]` (from where the two diverge, for templates whose generation prompt
+differs from a finished turn's header), minus the whitespace the template puts after the end-of-turn
+token. It therefore holds exactly what the model generates: content, the reasoning the template
+renders, tool calls and the end-of-turn token (`<|eot_id|>`, `<|im_end|>`), never role headers.
+The conversation is tokenized once with character offsets, and a token is trained when its
+characters overlap a reply span.
+
+Some templates rewrite history: Qwen3 drops the reasoning of assistant turns before the last user
+query, so the rendering that ends at turn k is not a prefix of the whole conversation's rendering.
+Training turn k on the full rendering would then teach the model a context it never sees while
+serving. Such conversations are expanded into one row per assistant turn: row k is the rendering
+that ends at turn k, with only turn k trained.
+"""
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from jinja2.exceptions import TemplateError
+
+from specgen.data.formats import Conversation, Pretokenized
+from specgen.data.sample import TokenizedSample
+from specgen.errors import RowError, SpecgenError
+
+# The scaffold a thinking template writes around an empty reasoning block: nothing to learn there.
+EMPTY_THINK = re.compile(r"<think>\s*</think>\s*")
+TRAIN_TURNS = ("all", "last")
+
+# Why a per-turn row was dropped, for the rejection log.
+DROP_MESSAGES = {
+    "no_trainable_tokens": "the trained turn starts beyond max_length tokens; raise data.max_length "
+                           "to keep it",
+}
+
+
+@dataclass
+class TokenizeResult:
+    samples: list[TokenizedSample]
+    dropped: list[tuple[str, str]]  # (sample_id, reason) of per-turn rows left out
+
+
+class _Turn(NamedTuple):
+    text: str  # the rendering that ends with this assistant turn
+    span: tuple[int, int]  # characters of `text` the model generated in this turn
+
+
+def chat_template_sha256(tokenizer) -> str:
+    """sha256 of the chat template text the tokenizer renders with (of "" when it has none)."""
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # several named templates
+        template = json.dumps(template, sort_keys=True)
+    return hashlib.sha256((template or "").encode()).hexdigest()
+
+
+class ChatTemplateTokenizer:
+    """Turns normalised rows into `TokenizedSample`s with a loss mask over the assistant's tokens.
+
+    max_length: keep the first `max_length` tokens of each row.
+    train_turns: "all" trains every assistant turn, "last" only the final one.
+    mask_empty_think: leave an empty `<think></think>` scaffold untrained.
+    chat_template_kwargs: extra template variables (e.g. `enable_thinking`, `date_string`).
+    """
+
+    def __init__(self, tokenizer, *, max_length: int, train_turns: str = "all", mask_empty_think: bool = True,
+                 chat_template_kwargs: dict | None = None):
+        if max_length < 1:
+            raise SpecgenError(f"data.max_length must be a positive number of tokens, got {max_length}")
+        if train_turns not in TRAIN_TURNS:
+            raise SpecgenError(f"data.train_turns must be one of {list(TRAIN_TURNS)}, got {train_turns!r}")
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.train_turns = train_turns
+        self.mask_empty_think = mask_empty_think
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+
+    def tokenize(self, item: Conversation | Pretokenized, source_index: int) -> TokenizeResult:
+        sample_id = item.id if item.id is not None else f"row-{source_index}"
+        if isinstance(item, Pretokenized):
+            rows = [(sample_id, item.input_ids[: self.max_length], item.loss_mask[: self.max_length])]
+        else:
+            rows = [(row_id, *self._encode(text, spans)) for row_id, text, spans in self._rows(item, sample_id)]
+
+        samples, dropped = [], []
+        for row_id, input_ids, loss_mask in rows:
+            if any(loss_mask):
+                samples.append(TokenizedSample(row_id, source_index, input_ids, loss_mask))
+            else:
+                dropped.append((row_id, "no_trainable_tokens"))
+        if not samples:
+            raise RowError("no_trainable_tokens", f"no assistant token lies within the first {self.max_length} "
+                                                  "tokens; raise data.max_length or drop the row")
+        return TokenizeResult(samples, dropped)
+
+    def _rows(self, conversation: Conversation, sample_id: str) -> list[tuple[str, str, list[tuple[int, int]]]]:
+        """(row id, text, trained character spans) for each row this conversation becomes."""
+        if self._template() is None:
+            raise SpecgenError("the tokenizer has no chat template; use a tokenizer (model.path) that ships one, "
+                               "or give pre-tokenized rows (input_ids + loss_mask)")
+        assistant_positions = [i for i, m in enumerate(conversation.messages) if m["role"] == "assistant"]
+        turns = [self._render_turn(conversation, i) for i in assistant_positions]
+        full_text = turns[-1].text
+        if self.train_turns == "last":
+            return [(sample_id, full_text, [turns[-1].span])]
+        if all(full_text.startswith(turn.text) for turn in turns):
+            return [(sample_id, full_text, [turn.span for turn in turns])]
+        return [(f"{sample_id}#{k}", turn.text, [turn.span]) for k, turn in enumerate(turns)]
+
+    def _template(self):
+        return getattr(self.tokenizer, "chat_template", None)
+
+    def _render_turn(self, conversation: Conversation, position: int) -> _Turn:
+        prompt = self._render(conversation, conversation.messages[:position], add_generation_prompt=True)
+        text = self._render(conversation, conversation.messages[: position + 1], add_generation_prompt=False)
+        start = len(prompt) if text.startswith(prompt) else _common_prefix_length(prompt, text)
+        return _Turn(text, (start, len(text.rstrip())))
+
+    def _render(self, conversation: Conversation, messages: list[dict], add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=conversation.tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      **self.chat_template_kwargs)
+        except TemplateError as error:
+            raise RowError("template_error", f"the chat template rejected the conversation: {error}") from None
+
+    def _encode(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+        # The rendered text already holds BOS where the template wants it: add no special tokens.
+        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
+                                  truncation=True, max_length=self.max_length)
+        if self.mask_empty_think:
+            spans = _subtract(spans, [match.span() for match in EMPTY_THINK.finditer(text)])
+        return encoding["input_ids"], _overlap_mask(encoding["offset_mapping"], spans)
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _subtract(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of sorted `spans` outside every hole."""
+    for hole_start, hole_end in holes:
+        pieces = []
+        for start, end in spans:
+            pieces += [(start, min(end, hole_start)), (max(start, hole_end), end)]
+        spans = [(start, end) for start, end in pieces if start < end]
+    return spans
+
+
+def _overlap_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """1 for each token whose characters overlap one of the sorted, disjoint `spans`."""
+    mask, next_span = [], 0
+    for start, end in offsets:
+        while next_span < len(spans) and spans[next_span][1] <= start:
+            next_span += 1
+        inside = next_span < len(spans) and spans[next_span][0] < end and start < end
+        mask.append(int(inside))
+    return mask

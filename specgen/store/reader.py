@@ -1,0 +1,187 @@
+"""Read shards as a map-style torch Dataset backed by memory maps.
+
+Hidden states come back as read-only tensors that point into the memory-mapped shard files, so
+opening terabytes of data costs page faults, not RAM. Clone a tensor before modifying it in place.
+"""
+
+import bisect
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch.utils.data import Dataset
+
+from specgen.errors import SpecgenError
+from specgen.store.manifest import MANIFEST, read_manifest
+from specgen.store.schema import Column, ShardSpec, arrow_schema, columns
+from specgen.store.writer import finished_shards
+
+
+def _zero_copy_numpy(array: pa.Array) -> np.ndarray:
+    """The values of a primitive Arrow array as a numpy view of its buffer (no copy)."""
+    return array.to_numpy(zero_copy_only=True)
+
+
+def _as_tensor(values: np.ndarray, column: Column) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # The view is read-only because the mapping is; torch warns about that on every call.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        tensor = torch.from_numpy(values)
+    if column.storage_dtype != column.dtype:
+        tensor = tensor.view(column.dtype)
+    return tensor.to(column.load_as) if column.load_as is not None else tensor
+
+
+class _BatchColumns:
+    """Zero-copy numpy views of one record batch's columns, sliced per sample on demand."""
+
+    def __init__(self, batch: pa.RecordBatch, spec_columns: list[Column]):
+        self._columns = spec_columns
+        self._strings = {}
+        self._values = {}
+        self._offsets = {}
+        for column in spec_columns:
+            array = batch.column(column.name)
+            if column.dtype is str:
+                self._strings[column.name] = array
+                continue
+            if column.per_token:
+                self._offsets[column.name] = _zero_copy_numpy(array.offsets)
+                array = array.values
+            if column.width is not None:
+                values = _zero_copy_numpy(array.flatten()).reshape(-1, column.width)
+            else:
+                values = _zero_copy_numpy(array)
+            self._values[column.name] = values
+
+    def row(self, index: int) -> dict:
+        item = {}
+        for column in self._columns:
+            if column.dtype is str:
+                item[column.name] = self._strings[column.name][index].as_py()
+                continue
+            values = self._values[column.name]
+            if column.per_token:
+                offsets = self._offsets[column.name]
+                values = values[offsets[index]:offsets[index + 1]]
+            else:
+                values = values[index]
+            item[column.name] = _as_tensor(values, column)
+        return item
+
+
+def _shard_paths(path: Path) -> tuple[list[Path], dict | None]:
+    if path.is_file():
+        return [path], None
+    if not path.is_dir():
+        raise SpecgenError(f"{path} does not exist: pass a specgen output directory or one shard file")
+    if (path / MANIFEST).exists():
+        manifest = read_manifest(path)
+        if "shards" not in manifest:
+            raise SpecgenError(f"{path / MANIFEST} has no 'shards' list: re-run the same command to rewrite it")
+        shards = [path / name for name in manifest["shards"]]
+        missing = [str(shard) for shard in shards if not shard.exists()]
+        if missing:
+            raise SpecgenError(f"{path / MANIFEST} lists shards that are missing: {', '.join(missing)}; "
+                               "re-run the same command to regenerate them")
+        return shards, manifest
+    shards = list(finished_shards(path).values())
+    if not shards:
+        raise SpecgenError(f"no finished shards in {path}: run the capture stage first")
+    return shards, None
+
+
+def _open_shard(path: Path) -> pa.ipc.RecordBatchFileReader:
+    try:
+        return pa.ipc.open_file(pa.memory_map(str(path)))
+    except (pa.ArrowInvalid, OSError) as error:
+        raise SpecgenError(f"cannot open shard {path} ({error}): it is damaged; delete it and re-run "
+                           "the same command to regenerate it") from error
+
+
+class ShardDataset(Dataset):
+    """All samples of a list of shards, in shard order; items are dicts of tensors (see `open_shards`)."""
+
+    def __init__(self, shard_paths: list[Path], manifest: dict | None = None):
+        self.shard_paths = list(shard_paths)
+        self.manifest = manifest
+        self.spec: ShardSpec | None = None
+        self._batch_locations: list[tuple[int, int]] = []  # (shard, record batch) in order
+        self._batch_starts: list[int] = []  # first sample index of each record batch
+        self._lengths: list[int] = []
+        for shard, path in enumerate(self.shard_paths):
+            reader = _open_shard(path)
+            self._check_spec(reader.schema, path)
+            for batch_index in range(reader.num_record_batches):
+                offsets = _zero_copy_numpy(reader.get_batch(batch_index).column("input_ids").offsets)
+                self._batch_locations.append((shard, batch_index))
+                self._batch_starts.append(len(self._lengths))
+                self._lengths.extend(np.diff(offsets).tolist())
+        self._columns = columns(self.spec)
+        self._reset_open_files()
+
+    def _check_spec(self, schema: pa.Schema, path: Path) -> None:
+        spec = ShardSpec.from_schema(schema, str(path))
+        if self.spec is None:
+            self.spec = spec
+        elif spec != self.spec:
+            raise SpecgenError(f"{path} was written with {spec}, but {self.shard_paths[0]} with {self.spec}: "
+                               "read shards of one run together")
+        if not schema.equals(arrow_schema(spec)):
+            raise SpecgenError(f"{path} has columns that do not match its spec {spec}: "
+                               "it was not written by this version of specgen")
+
+    def _reset_open_files(self) -> None:
+        # Memory maps belong to one process; a DataLoader worker re-opens its own on first use.
+        self._pid = os.getpid()
+        self._readers: dict[int, pa.ipc.RecordBatchFileReader] = {}
+        self._batches: dict[tuple[int, int], _BatchColumns] = {}
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        for key in ("_readers", "_batches", "_pid"):
+            del state[key]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._reset_open_files()
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def lengths(self) -> list[int]:
+        """Token count of every sample (for length-bucketed batching); reads no hidden states."""
+        return list(self._lengths)
+
+    def __getitem__(self, index: int) -> dict:
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample index {index} out of range for {len(self)} samples")
+        batch_number = bisect.bisect_right(self._batch_starts, index) - 1
+        return self._batch(batch_number).row(index - self._batch_starts[batch_number])
+
+    def _batch(self, batch_number: int) -> _BatchColumns:
+        if self._pid != os.getpid():
+            self._reset_open_files()
+        location = self._batch_locations[batch_number]
+        if location not in self._batches:
+            shard, batch_index = location
+            if shard not in self._readers:
+                self._readers[shard] = _open_shard(self.shard_paths[shard])
+            self._batches[location] = _BatchColumns(self._readers[shard].get_batch(batch_index), self._columns)
+        return self._batches[location]
+
+
+def open_shards(path: str | Path) -> ShardDataset:
+    """Open an output directory (its manifest's shards, else its finished shards) or one shard file.
+
+    Items: `sample_id` (str), `input_ids` and `loss_mask` (LongTensor [T]), `aux_hidden_states`
+    ([T, num_aux * hidden]) and `last_hidden_state` ([T, hidden]) in the stored dtype, memory-mapped.
+    """
+    shard_paths, manifest = _shard_paths(Path(path))
+    return ShardDataset(shard_paths, manifest)

@@ -1,0 +1,211 @@
+"""Write shards atomically: stream record batches to `<name>.tmp`, then rename on commit.
+
+A shard exists under its final name only when it is complete: `commit` closes the Arrow file,
+writes the sidecar `shard-NNNNN.json` (stats and rejected rows), fsyncs both, and renames the
+shard last. A run killed at any point leaves only `*.tmp` files and possibly an orphan sidecar,
+which `finished_shards` ignores and `remove_partial` deletes, so re-running the same command
+resumes from the shards that are finished.
+"""
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from specgen.errors import SpecgenError
+from specgen.store.schema import Column, ShardSpec, arrow_schema, columns
+
+_SHARD_PATTERN = re.compile(r"shard-(\d{5,})\.arrow")
+_SIDECAR_PATTERN = re.compile(r"shard-(\d{5,})\.json")
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.arrow"
+
+
+def sidecar_name(index: int) -> str:
+    return f"shard-{index:05d}.json"
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file (or directory entry table) to disk; a read-only descriptor suffices on POSIX."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON so that `path` holds either the old content or the complete new one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def _column_array(column: Column, values: list, sample_ids: list[str]) -> pa.Array:
+    """Build one column of a record batch from per-row values with a single copy into Arrow.
+
+    Rows are concatenated once (Arrow wants one contiguous values buffer per batch); the
+    tensor is then reinterpreted as its storage dtype and handed to Arrow without another copy.
+    """
+    if column.dtype is str:
+        return pa.array(values, pa.string())
+    tensors = [_checked_tensor(column, value, sample_id) for value, sample_id in zip(values, sample_ids)]
+    flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+    array = pa.array(flat.view(column.storage_dtype).numpy())
+    if column.width is not None:
+        array = pa.FixedSizeListArray.from_arrays(array, column.width)
+    if column.per_token:
+        lengths = torch.tensor([0] + [len(tensor) for tensor in tensors], dtype=torch.int64)
+        offsets = pa.array(lengths.cumsum(0).to(torch.int32).numpy())
+        array = pa.ListArray.from_arrays(offsets, array)
+    return array
+
+
+def _checked_tensor(column: Column, value: Any, sample_id: str) -> torch.Tensor:
+    """Return `value` as a CPU tensor of the column's dtype and shape, or say what is wrong.
+
+    Integer columns are cast (token ids arrive as int64) after a range check; floating columns
+    must already be in the stored dtype so nothing is silently rounded.
+    """
+    where = f"sample {sample_id!r}, column {column.name!r}"
+    tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{where}: tensor is on {tensor.device}; move it to the CPU before writing")
+    if column.dtype.is_floating_point:
+        if tensor.dtype != column.dtype:
+            raise ValueError(f"{where}: dtype is {tensor.dtype}, the shard stores {column.dtype}")
+    elif tensor.dtype != column.dtype:
+        info = torch.iinfo(column.dtype)
+        if tensor.numel() and (tensor.min() < info.min or tensor.max() > info.max):
+            raise ValueError(f"{where}: values outside the {column.dtype} range [{info.min}, {info.max}]")
+        tensor = tensor.to(column.dtype)
+    layout = (["T"] if column.per_token else []) + ([column.width] if column.width is not None else [])
+    if tensor.dim() != len(layout) or (column.width is not None and tensor.shape[-1] != column.width):
+        raise ValueError(f"{where}: shape {list(tensor.shape)} does not match the stored layout {layout}")
+    return tensor.contiguous()
+
+
+class ShardWriter:
+    """Stream rows into one shard; use as a context manager and call `commit` at the end.
+
+    Leaving the context without a commit (an exception, or simply never committing) deletes the
+    partial file, so an unfinished shard never appears under its final name.
+    """
+
+    def __init__(self, out_dir: str | Path, shard_index: int, spec: ShardSpec):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.index = shard_index
+        self.spec = spec
+        self.path = self.out_dir / shard_name(shard_index)
+        self.tmp_path = self.path.with_name(self.path.name + ".tmp")
+        self._schema = arrow_schema(spec)
+        self._columns = columns(spec)
+        self._sink = pa.OSFile(str(self.tmp_path), "wb")
+        # No compression: shards are memory-mapped by the reader, which needs the raw bytes.
+        self._writer = pa.ipc.new_file(self._sink, self._schema)
+        self.committed = False
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if not self.committed:
+            self._close()
+            self.tmp_path.unlink(missing_ok=True)
+
+    def write(self, rows: list[dict]) -> None:
+        """Append `rows` as one record batch (each row: a dict with every column of the schema)."""
+        if not rows:
+            return
+        sample_ids = [row["sample_id"] for row in rows]
+        for row in rows:
+            self._check_token_counts(row)
+        arrays = [_column_array(column, [row[column.name] for row in rows], sample_ids)
+                  for column in self._columns]
+        self._writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self._schema))
+
+    def _check_token_counts(self, row: dict) -> None:
+        counts = {column.name: len(row[column.name]) for column in self._columns if column.per_token}
+        if len(set(counts.values())) > 1:
+            raise ValueError(f"sample {row['sample_id']!r}: per-token columns disagree on the token count {counts}")
+
+    def commit(self, stats: dict, rejected: list[dict]) -> Path:
+        """Finish the shard: close it, write its sidecar, then rename it into place (the commit point)."""
+        self._close()
+        _fsync(self.tmp_path)
+        write_json_atomic(self.out_dir / sidecar_name(self.index), {"stats": stats, "rejected": rejected})
+        os.replace(self.tmp_path, self.path)
+        _fsync(self.out_dir)
+        self.committed = True
+        return self.path
+
+    def _close(self) -> None:
+        if not self._sink.closed:
+            self._writer.close()
+            self._sink.close()
+
+
+def _indexed_files(out_dir: Path, pattern: re.Pattern) -> dict[int, Path]:
+    found = {}
+    for path in out_dir.iterdir():
+        match = pattern.fullmatch(path.name)
+        if match:
+            found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def _footer_opens(path: Path) -> bool:
+    """True when the Arrow file is complete (a truncated file has no valid footer)."""
+    try:
+        with pa.memory_map(str(path)) as source:
+            pa.ipc.open_file(source)
+        return True
+    except (pa.ArrowInvalid, OSError):
+        return False
+
+
+def finished_shards(out_dir: str | Path) -> dict[int, Path]:
+    """Complete shards by index: final name present, sidecar present, and the Arrow footer opens."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return {}
+    return {index: path for index, path in _indexed_files(out_dir, _SHARD_PATTERN).items()
+            if (out_dir / sidecar_name(index)).exists() and _footer_opens(path)}
+
+
+def remove_partial(out_dir: str | Path) -> list[Path]:
+    """Delete what a killed run left behind and return it.
+
+    That is: `*.tmp` files, sidecars whose shard is not finished, and shard files whose footer
+    does not open (damaged; re-running regenerates them).
+    """
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    finished = finished_shards(out_dir)
+    leftovers = sorted(out_dir.glob("*.tmp"))
+    leftovers += [path for index, path in _indexed_files(out_dir, _SIDECAR_PATTERN).items() if index not in finished]
+    leftovers += [path for index, path in _indexed_files(out_dir, _SHARD_PATTERN).items() if index not in finished
+                  and not _footer_opens(path)]
+    for path in leftovers:
+        path.unlink()
+    return leftovers
+
+
+def read_sidecar(out_dir: str | Path, index: int) -> dict:
+    path = Path(out_dir) / sidecar_name(index)
+    if not path.exists():
+        raise SpecgenError(f"no sidecar {path}: shard {index} did not finish; re-run the same command to resume")
+    return json.loads(path.read_text())

@@ -1,0 +1,130 @@
+"""`python -m specgen.verify output.dir=DIR`: audit a finished dataset.
+
+Structural checks read every row (cheap: memory-mapped); the reference check re-runs a few random samples through
+the plain Hugging Face forward (`output_hidden_states=True`) of the recorded target and reports the relative error
+of every captured tensor. Any failure is listed and the exit status is non-zero.
+"""
+
+import logging
+import random
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from specgen.capture.target import config_hash, load_target
+from specgen.config import stage_main
+from specgen.errors import SpecgenError
+from specgen.generate import resolve_device
+from specgen.progress import format_table
+from specgen.store.manifest import read_manifest
+from specgen.store.reader import open_shards
+
+log = logging.getLogger("specgen.verify")
+
+DEFAULT_TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float(), want.float()
+    return float((got - want).norm() / want.norm().clamp_min(1e-12))
+
+
+def check_structure(dataset, manifest: dict) -> tuple[list[str], dict]:
+    """Every row: consistent lengths, 0/1 mask, finite values; totals equal the manifest's stats."""
+    problems = []
+    totals = {"samples": 0, "tokens": 0, "trainable_tokens": 0}
+    width_aux = dataset.spec.num_aux * dataset.spec.hidden_size
+    seen_ids = set()
+    for i in range(len(dataset)):
+        item = dataset[i]
+        sid, length = item["sample_id"], len(item["input_ids"])
+        where = f"sample {i} ({sid})"
+        if sid in seen_ids:
+            problems.append(f"{where}: duplicate sample_id")
+        seen_ids.add(sid)
+        if len(item["loss_mask"]) != length:
+            problems.append(f"{where}: loss_mask has {len(item['loss_mask'])} entries for {length} tokens")
+        if not bool(((item["loss_mask"] == 0) | (item["loss_mask"] == 1)).all()):
+            problems.append(f"{where}: loss_mask holds values other than 0/1")
+        for name, width in (("aux_hidden_states", width_aux), ("last_hidden_state", dataset.spec.hidden_size)):
+            tensor = item[name]
+            if tuple(tensor.shape) != (length, width):
+                problems.append(f"{where}: {name} has shape {tuple(tensor.shape)}, expected ({length}, {width})")
+            elif not bool(torch.isfinite(tensor.float()).all()):
+                problems.append(f"{where}: {name} contains NaN or Inf")
+        totals["samples"] += 1
+        totals["tokens"] += length
+        totals["trainable_tokens"] += int(item["loss_mask"].sum())
+    for key, value in totals.items():
+        recorded = manifest["stats"].get(key)
+        if recorded != value:
+            problems.append(f"manifest stats.{key}={recorded} but the shards hold {value}")
+    for key in ("hidden_size", "num_aux", "dtype"):
+        if manifest.get(key) != getattr(dataset.spec, key):
+            problems.append(f"manifest {key}={manifest.get(key)} but the shards say {getattr(dataset.spec, key)}")
+    return problems, totals
+
+
+def check_against_reference(dataset, manifest: dict, cfg: DictConfig) -> tuple[list[str], list[tuple[str, str]]]:
+    """Re-run random samples through the HF forward and compare each captured tensor."""
+    problems, rows = [], []
+    model_path = cfg.verify.model_path or manifest["model"]["path"]
+    if not Path(model_path).is_dir():
+        raise SpecgenError(f"the recorded target {model_path} is not there; pass verify.model_path=DIR "
+                           "or verify.samples=0 to skip the reference check")
+    device = resolve_device(cfg.verify.device)
+    model = load_target(model_path, dtype=manifest["dtype"], device=str(device), attn_implementation="eager")
+    if config_hash(model) != manifest["model"]["config_hash"]:
+        problems.append(f"{model_path} has a different config than the one recorded in the manifest")
+    num_layers = manifest["model"]["num_layers"]
+    hidden = manifest["hidden_size"]
+    tolerance = cfg.verify.tolerance or DEFAULT_TOLERANCE[manifest["dtype"]]
+    picks = random.Random(cfg.verify.seed).sample(range(len(dataset)), min(cfg.verify.samples, len(dataset)))
+    for index in picks:
+        item = dataset[index]
+        with torch.inference_mode():
+            out = model(item["input_ids"][None].to(device), output_hidden_states=True)
+        reference = {"last_hidden_state": out.hidden_states[-1][0]}
+        for slot, layer in enumerate(manifest["capture"]["aux_layers"]):
+            if layer < num_layers - 1:  # HF's entry for the last layer is post-norm; ours is the raw layer output
+                reference[f"aux_hidden_states[layer {layer}]"] = (out.hidden_states[layer + 1][0], slot)
+        for name, ref in reference.items():
+            if isinstance(ref, tuple):
+                ref, slot = ref
+                got = item["aux_hidden_states"][:, slot * hidden:(slot + 1) * hidden]
+            else:
+                got = item[name]
+            error = relative_error(got.to(device), ref)
+            ok = error <= tolerance
+            rows.append((f"{item['sample_id']} {name}", f"rel. error {error:.2e} {'ok' if ok else 'TOO LARGE'}"))
+            if not ok:
+                problems.append(f"sample {item['sample_id']}: {name} differs from the HF forward "
+                                f"(relative error {error:.2e} > {tolerance:.0e})")
+    return problems, rows
+
+
+def run(cfg: DictConfig) -> None:
+    out_dir = Path(cfg.output.dir)
+    manifest = read_manifest(out_dir)
+    dataset = open_shards(out_dir)
+    problems, totals = check_structure(dataset, manifest)
+    rows = [("dataset", str(out_dir)), ("samples", f"{totals['samples']:,}"), ("tokens", f"{totals['tokens']:,}")]
+    if cfg.verify.samples > 0 and len(dataset):
+        reference_problems, reference_rows = check_against_reference(dataset, manifest, cfg)
+        problems += reference_problems
+        rows += reference_rows
+    print(format_table(rows))
+    if problems:
+        print(f"FAILED: {len(problems)} problem(s)", file=sys.stderr)
+        for problem in problems:
+            print(f"  - {problem}", file=sys.stderr)
+        sys.exit(1)
+    print("OK: the dataset is consistent and matches the reference forward")
+
+
+main = stage_main("verify")(run)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Shared fixtures: real tokenizers and datasets from ../shared, tiny real models built from configs."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+TOKENIZERS = {"llama-3.1": SHARED / "tokenizers" / "llama-3.1", "qwen3": SHARED / "tokenizers" / "qwen3"}
+DATASETS = {
+    "sharegpt_fastchat": SHARED / "datasets" / "sharegpt_fastchat_dummy.json",
+    "sharegpt_glaive_toolcall": SHARED / "datasets" / "sharegpt_glaive_toolcall.json",
+    "openai_reasoning_tooluse": SHARED / "datasets" / "openai_reasoning_tooluse_50.jsonl",
+    "alpaca": SHARED / "datasets" / "alpaca_en_demo.json",
+    "mt_bench": SHARED / "datasets" / "mt_bench_questions.jsonl",
+}
+
+
+def require_shared(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"{path} is absent: these tests need the real tokenizers and datasets in ../shared")
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(require_shared(TOKENIZERS["llama-3.1"]))
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(require_shared(TOKENIZERS["qwen3"]))
+
+
+def build_tiny_model(arch: str, out_dir: Path, *, vocab_size: int = 512, num_layers: int = 8,
+                     hidden_size: int = 64, dtype: torch.dtype = torch.float32, seed: int = 0,
+                     tokenizer_dir: Path | None = None) -> Path:
+    """Build a small randomly initialised model of a real architecture and `save_pretrained` it.
+
+    arch: llama | mistral | qwen2 | qwen3 | qwen3_moe | gpt2 (gpt2 exercises the generic hook path).
+    When `tokenizer_dir` is given its tokenizer is saved beside the weights (so `model.path`
+    alone is enough) and `vocab_size` must cover it.
+    """
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=4096, tie_word_embeddings=False)
+    if arch == "llama":
+        config = tf.LlamaConfig(**common)
+    elif arch == "mistral":
+        config = tf.MistralConfig(**common, sliding_window=None)
+    elif arch == "qwen2":
+        config = tf.Qwen2Config(**common)
+    elif arch == "qwen3":
+        config = tf.Qwen3Config(**common, head_dim=16)
+    elif arch == "qwen3_moe":
+        config = tf.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=hidden_size, decoder_sparse_step=1)
+    elif arch == "gpt2":
+        config = tf.GPT2Config(vocab_size=vocab_size, n_embd=hidden_size, n_layer=num_layers, n_head=4,
+                               n_positions=4096)
+    else:
+        raise ValueError(arch)
+    model = tf.AutoModelForCausalLM.from_config(config).to(dtype)
+    model.save_pretrained(out_dir)
+    if tokenizer_dir is not None:
+        tf.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture
+def tiny_model(tmp_path):
+    """Factory: tiny_model("llama", num_layers=8, ...) -> Path of a saved model folder."""
+
+    def make(arch: str = "llama", **kwargs) -> Path:
+        return build_tiny_model(arch, tmp_path / f"{arch}-model", **kwargs)
+
+    return make

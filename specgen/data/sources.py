@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from specgen.errors import RowError, SpecgenError
 
 SUPPORTED = ".json (array or JSON lines), .jsonl, .parquet, or a datasets save_to_disk folder"
@@ -38,8 +41,8 @@ def iter_records(path: str | Path, *, chunk_size: int = 1 << 20) -> Iterator[Sou
     if kind in ("json", "jsonl"):
         return _json_lines_records(path)
     if kind == "parquet":
-        return _parquet_records(path)
-    return _saved_dataset_records(path)
+        return _parquet_records(_open_parquet(path))
+    return _saved_dataset_records(_load_saved_dataset(path))
 
 
 def count_records(path: str | Path) -> int | None:
@@ -55,9 +58,7 @@ def count_records(path: str | Path) -> int | None:
         with open(path, "rb") as f:
             return sum(1 for line in f if line.strip())
     if kind == "parquet":
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows
+        return _open_parquet(path).metadata.num_rows
     return len(_load_saved_dataset(path))
 
 
@@ -197,11 +198,16 @@ def _decode_element(buffer: _ChunkedText, decoder: json.JSONDecoder) -> Any:
         return value
 
 
-def _parquet_records(path: Path) -> Iterator[SourceRecord]:
-    import pyarrow.parquet as pq
+def _open_parquet(path: Path) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(path)
+    except pa.ArrowException as error:
+        raise SpecgenError(f"data.path {path} is not a readable Parquet file ({error})") from None
 
+
+def _parquet_records(parquet: pq.ParquetFile) -> Iterator[SourceRecord]:
     index = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS):
+    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS):
         for row in batch.to_pylist():
             yield SourceRecord(index, row, None)
             index += 1
@@ -217,7 +223,6 @@ def _load_saved_dataset(path: Path):
     return loaded
 
 
-def _saved_dataset_records(path: Path) -> Iterator[SourceRecord]:
-    dataset = _load_saved_dataset(path)  # memory-mapped Arrow: rows are read as they are iterated
-    for index, row in enumerate(dataset):
+def _saved_dataset_records(dataset) -> Iterator[SourceRecord]:
+    for index, row in enumerate(dataset):  # memory-mapped Arrow: rows are read as they are iterated
         yield SourceRecord(index, row, None)

@@ -1,16 +1,17 @@
 """Chat template + loss mask, using the tokenizer's own chat template.
 
-No per-model table of header strings: the span of assistant turn i is found by rendering twice,
+No per-model table of header strings: the reply of assistant message i is found by rendering
 
-    prompt = render(messages[:i], add_generation_prompt=True)   # what the server sends the model
-    turn   = render(messages[:i + 1])                            # the same plus the model's reply
+    history = render(messages[:i])
+    prompt  = render(messages[:i], add_generation_prompt=True)  # what a server sends the model
+    turn    = render(messages[:i + 1])                           # the conversation up to the reply
 
-The reply is `turn[len(prompt):]` (from where the two diverge, for templates whose generation prompt
-differs from a finished turn's header), minus the whitespace the template puts after the end-of-turn
-token. It therefore holds exactly what the model generates: content, the reasoning the template
-renders, tool calls and the end-of-turn token (`<|eot_id|>`, `<|im_end|>`), never role headers.
-The conversation is tokenized once with character offsets, and a token is trained when its
-characters overlap a reply span.
+Normally `turn` extends `prompt` and the reply is `turn[len(prompt):]` (from where they diverge, for
+templates whose generation prompt differs from a finished turn's header), minus the whitespace the
+template puts after the end-of-turn token. It holds exactly what the model generates: content, the
+reasoning the template renders, tool calls and the end-of-turn token (`<|eot_id|>`, `<|im_end|>`),
+never role headers. The text is tokenized once with character offsets, and a token is trained when
+its characters overlap a reply.
 
 Some templates rewrite history: Qwen3 drops the reasoning of assistant turns before the last user
 query, so the rendering that ends at turn k is not a prefix of the whole conversation's rendering.
@@ -118,9 +119,28 @@ class ChatTemplateTokenizer:
         return getattr(self.tokenizer, "chat_template", None)
 
     def _render_turn(self, conversation: Conversation, position: int) -> _Turn:
+        history = self._render(conversation, conversation.messages[:position], add_generation_prompt=False)
         prompt = self._render(conversation, conversation.messages[:position], add_generation_prompt=True)
         text = self._render(conversation, conversation.messages[: position + 1], add_generation_prompt=False)
-        start = len(prompt) if text.startswith(prompt) else _common_prefix_length(prompt, text)
+        generation_prompt = prompt[len(history):]
+        if not prompt.startswith(history) or not generation_prompt:
+            raise RowError("template_error", f"the chat template's generation prompt before message {position} "
+                                             "does not extend the conversation, so the assistant header cannot "
+                                             "be told from the reply")
+        if text.startswith(history):
+            # The reply starts where the finished turn stops matching the generation prompt: usually right
+            # after it, earlier for templates whose generation prompt differs (e.g. an empty think block).
+            start = len(history) + _common_prefix_length(generation_prompt, text[len(history):])
+        else:
+            # Adding the turn changed how earlier turns render (Qwen3 drops the empty think scaffold of an
+            # assistant turn that is no longer last): the turn begins at the generation prompt, after the
+            # point where the two renderings diverge.
+            found = text.find(generation_prompt, _common_prefix_length(history, text))
+            if found < 0:
+                raise RowError("template_error", f"cannot locate assistant message {position} in the rendering: "
+                                                 "the template rewrites earlier turns and renders the finished "
+                                                 "turn differently from its generation prompt")
+            start = found + len(generation_prompt)
         return _Turn(text, (start, len(text.rstrip())))
 
     def _render(self, conversation: Conversation, messages: list[dict], add_generation_prompt: bool) -> str:
@@ -141,8 +161,15 @@ class ChatTemplateTokenizer:
 
 
 def _common_prefix_length(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
+    """Length of the longest common prefix, by binary search over C-speed slice comparisons."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def _subtract(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:

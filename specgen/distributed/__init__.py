@@ -1,0 +1,44 @@
+"""Process-group glue for `accelerate launch` (torch.distributed): who am I, which work units are mine.
+
+Work is split into units numbered from the data (unit k = source rows [k*S, (k+1)*S)), never from the world size:
+a rank takes the units with `unit % world_size == rank` that are not finished yet. A run started on 4 processes can
+therefore be resumed on 2, and a rank that died can be re-run alone, without changing any shard's content.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Workers:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def owns(self, unit: int) -> bool:
+        return unit % self.world_size == self.rank
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+def init_workers(device: str = "auto") -> Workers:
+    """Join the process group `accelerate launch` set up (gloo on CPU, nccl on GPU); a plain run is world size 1."""
+    from accelerate import PartialState
+
+    use_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    state = PartialState(cpu=use_cpu)
+    if device in ("auto", "cpu") or state.num_processes > 1:
+        resolved = state.device
+    else:
+        resolved = torch.device(device)
+    return Workers(rank=state.process_index, world_size=state.num_processes,
+                   local_rank=state.local_process_index, device=resolved)

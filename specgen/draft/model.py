@@ -1,0 +1,251 @@
+"""The EAGLE-3 draft: one Llama decoder layer that reads the target's fused hidden states and its own past.
+
+    h      = fc(concat(aux hidden states of the target))        # [.., k*H_target] -> [.., H]
+    x      = concat(input_layernorm(embed(token)), hidden_norm(h))   # [.., 2H]: what attention reads
+    r      = h + attn(x)                                         # residual stream starts at h
+    out    = r + mlp(post_attention_layernorm(r))                # "pre-norm" output, fed to the next step
+    logits = lm_head(norm(out))                                  # over the reduced draft vocabulary
+
+This is the layout vLLM's and SGLang's `LlamaForCausalLMEagle3` loaders implement (module names included:
+`fc`, `midlayer.{input_layernorm,hidden_norm,self_attn,post_attention_layernorm,mlp}`, `norm`, `lm_head`), so
+a checkpoint saved by `specgen.draft.checkpoint` serves unchanged. The token embedding is the target's and stays
+frozen; `d2t`/`t2d` map between draft and target vocabularies (see `specgen.draft.vocab`).
+
+Attention covers two kinds of entries (`DraftKV`):
+* base entries, one per sequence position, made by a step that read the *target's* hidden state there;
+* chain entries, made by later draft steps that read the draft's own previous output at the same position.
+A query at index i attends to base entries 0..i (causal) and to the chain entries at index i (the diagonal).
+During training (TTT) every index runs the chain at once; during decoding only the last verified index does.
+Both use the same code path, so what is trained is exactly what is served.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from specgen.errors import SpecgenError
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+# Target config entries the draft inherits: its single layer has the target's shape, so the draft's hidden state
+# lives in the target's embedding space and attention uses the target's rotary scheme.
+_INHERITED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "vocab_size",
+              "bos_token_id", "eos_token_id", "pad_token_id")
+# Sizes a user may override (anything that does not have to match the target).
+OVERRIDABLE = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "max_position_embeddings", "rms_norm_eps")
+
+
+def draft_config(target_config: transformers.PretrainedConfig, *, aux_layers: list[int], draft_vocab_size: int,
+                 overrides: dict | None = None) -> transformers.LlamaConfig:
+    """The draft's config, derived from the target's (text) config.
+
+    `aux_layers` are specgen's 0-based decoder-layer output indices, recorded as
+    `eagle_config.eagle_aux_hidden_state_layer_ids` (the SGLang/SpecForge convention: layer outputs).
+    `overrides` may change the sizes in `OVERRIDABLE`; the hidden size must stay the target's because the
+    draft shares the target's token embedding.
+    """
+    text = target_config.get_text_config()
+    fields = {key: getattr(text, key) for key in _INHERITED if getattr(text, key, None) is not None}
+    fields.setdefault("head_dim", text.hidden_size // text.num_attention_heads)
+    unknown = sorted(set(overrides or {}) - set(OVERRIDABLE))
+    if unknown:
+        raise SpecgenError(f"draft.overrides has keys {unknown} that cannot be overridden; allowed: "
+                           f"{list(OVERRIDABLE)} (hidden_size and vocab_size follow the target)")
+    fields.update(overrides or {})
+    config = transformers.LlamaConfig(**fields, num_hidden_layers=1, tie_word_embeddings=False,
+                                      attention_bias=False, mlp_bias=False)
+    config.architectures = [ARCHITECTURE]
+    config.draft_vocab_size = int(draft_vocab_size)
+    config.target_hidden_size = int(text.hidden_size)
+    config.eagle_config = {"eagle_aux_hidden_state_layer_ids": [int(layer) for layer in aux_layers],
+                           "use_aux_hidden_state": True}
+    return config
+
+
+def num_aux_layers(config: transformers.PretrainedConfig) -> int:
+    return len(config.eagle_config["eagle_aux_hidden_state_layer_ids"])
+
+
+def _repeat_kv(states: torch.Tensor, times: int) -> torch.Tensor:
+    """[B, Hkv, n, d] -> [B, Hkv * times, n, d] for grouped-query attention."""
+    return states if times == 1 else states.repeat_interleave(times, dim=1)
+
+
+class DraftKV:
+    """Keys and values the draft attends over (after rotary embedding, before head repetition).
+
+    `base` holds one entry per position (steps that read the target's hidden states); `chain` holds, per later
+    step, one entry per query index (steps that read the draft's own output). Start a fresh `DraftKV` for every
+    training batch; in decoding keep it across rounds and call `drop_chain()` once a round is verified.
+    """
+
+    def __init__(self):
+        self.base_keys: torch.Tensor | None = None
+        self.base_values: torch.Tensor | None = None
+        self.chain: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def base_length(self) -> int:
+        return 0 if self.base_keys is None else self.base_keys.shape[2]
+
+    def add_base(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.chain:
+            raise RuntimeError("base entries cannot be added while chain entries exist; call drop_chain() first")
+        if self.base_keys is None:
+            self.base_keys, self.base_values = keys, values
+        else:
+            self.base_keys = torch.cat([self.base_keys, keys], dim=2)
+            self.base_values = torch.cat([self.base_values, values], dim=2)
+
+    def add_chain(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.base_keys is None:
+            raise RuntimeError("a chain step needs base entries to attend to; run a base step first")
+        self.chain.append((keys, values))
+
+    def drop_chain(self) -> None:
+        self.chain = []
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` base entries (decoding: forget positions the target rejected)."""
+        self.drop_chain()
+        if self.base_keys is not None:
+            self.base_keys = self.base_keys[:, :, :length]
+            self.base_values = self.base_values[:, :, :length]
+
+
+class DraftAttention(nn.Module):
+    """Grouped-query attention whose projections read the 2H-wide [embedding; hidden] input."""
+
+    def __init__(self, config: transformers.LlamaConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        width = 2 * config.hidden_size
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: DraftKV, *,
+                extend_base: bool) -> torch.Tensor:
+        batch, n, _ = x.shape
+        q = self.q_proj(x).view(batch, n, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if extend_base:
+            kv.add_base(k, v)
+        else:
+            kv.add_chain(k, v)
+        out = self._attend(q, kv)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, n, -1))
+
+    def _attend(self, q: torch.Tensor, kv: DraftKV) -> torch.Tensor:
+        """Softmax over [base entries 0..i ; chain entries at i] for the query at index i.
+
+        The n queries sit at the last n base indices (q_start = base_length - n): in training n is the whole
+        sequence, in decoding it is the newly verified positions (base step) or the last position (chain step).
+        """
+        repeat = self.num_heads // self.num_kv_heads
+        n, base_length = q.shape[2], kv.base_length
+        q_start = base_length - n
+        scale = 1.0 / math.sqrt(self.head_dim)
+        keys, values = _repeat_kv(kv.base_keys, repeat), _repeat_kv(kv.base_values, repeat)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [B, H, n, base_length]
+        query_index = torch.arange(q_start, base_length, device=q.device)[:, None]
+        key_index = torch.arange(base_length, device=q.device)[None, :]
+        scores = scores.masked_fill(key_index > query_index, float("-inf"))
+        chain_values = []
+        for chain_keys, chain_vals in kv.chain:
+            diagonal = (q * _repeat_kv(chain_keys, repeat)).sum(-1, keepdim=True) * scale  # [B, H, n, 1]
+            scores = torch.cat([scores, diagonal], dim=-1)
+            chain_values.append(_repeat_kv(chain_vals, repeat))
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs[..., :base_length], values)
+        for step, vals in enumerate(chain_values):
+            out = out + probs[..., base_length + step, None] * vals
+        return out
+
+
+class DraftDecoderLayer(nn.Module):
+    """The draft's single decoder layer (`midlayer` in the published checkpoints)."""
+
+    def __init__(self, config: transformers.LlamaConfig):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DraftAttention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv: DraftKV, *, extend_base: bool) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        residual = hidden + self.self_attn(x, cos, sin, kv, extend_base=extend_base)
+        return residual + self.mlp(self.post_attention_layernorm(residual))
+
+
+class Eagle3Draft(nn.Module):
+    """EAGLE-3 draft model. Parameter names match the published checkpoints (see module docstring)."""
+
+    def __init__(self, config: transformers.LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
+        self.fc = nn.Linear(num_aux_layers(config) * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = DraftDecoderLayer(config)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Llama's initialisation: normal(0, initializer_range) weights, unit norms."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, LlamaRMSNorm):
+                nn.init.ones_(module.weight)
+
+    def project(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """Fuse the target's k aux hidden states [.., k*H_target] into the draft's input hidden state [.., H]."""
+        return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, kv: DraftKV, *,
+                extend_base: bool) -> torch.Tensor:
+        """One draft step over n positions: tokens [B, n] (target ids), hidden [B, n, H], positions [B, n].
+
+        Returns the pre-norm output [B, n, H]: the next step's `hidden`, and `logits()`'s input.
+        extend_base: the step read target hidden states (its entries become base entries) rather than the
+        draft's own previous output (chain entries).
+        """
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        return self.midlayer(embeds, hidden, cos, sin, kv, extend_base=extend_base)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [.., draft_vocab_size] from a step's output."""
+        return self.lm_head(self.norm(hidden))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary ids to target-vocabulary ids (target = draft + d2t[draft])."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]

@@ -1,0 +1,144 @@
+"""Reading rows from JSON arrays, JSON lines, Parquet and datasets folders, lazily and row by row."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import DATASETS, require_shared
+from specgen.data import count_records, iter_records, normalize
+from specgen.errors import RowError, SpecgenError
+
+ROWS = [
+    {"id": "a", "text": "brackets ] and , commas inside \"strings\" [", "n": 123456789},
+    {"id": "b", "nested": {"list": [1, 2.5e-3, None, True, {"deep": "ünïcode 日本"}]}, "n": -0.5},
+    {"id": "c", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]},
+]
+
+
+def records(path, **kwargs) -> list:
+    return [(r.index, r.record, None if r.error is None else r.error.reason) for r in iter_records(path, **kwargs)]
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 7, 64, 1 << 20])
+def test_json_array_parses_like_json_load_at_any_chunk_size(tmp_path, chunk_size):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(ROWS, indent=2, ensure_ascii=False), encoding="utf-8")
+
+    assert records(path, chunk_size=chunk_size) == [(i, row, None) for i, row in enumerate(json.load(open(path)))]
+    assert count_records(path) == len(ROWS)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 1 << 20])
+def test_json_array_rejects_non_objects_and_keeps_numbers_whole_across_chunks(tmp_path, chunk_size):
+    path = tmp_path / "mixed.json"
+    path.write_text('[123456789, {"id": 1}, [1], "s"  ,{"id": 2}]')
+
+    result = list(iter_records(path, chunk_size=chunk_size))
+    assert [(r.index, r.record) for r in result] == [(0, None), (1, {"id": 1}), (2, None), (3, None), (4, {"id": 2})]
+    assert [r.error.reason for r in result if r.error] == ["not_an_object"] * 3
+    assert "int" in result[0].error.message and "element 0" in result[0].error.message
+
+
+@pytest.mark.parametrize("text", ["[]", "  [ ]\n", "[\n\n]"])
+def test_empty_json_array_has_no_rows(tmp_path, text):
+    path = tmp_path / "empty.json"
+    path.write_text(text)
+    assert records(path, chunk_size=1) == [] and count_records(path) == 0
+
+
+def test_json_array_is_streamed_not_loaded_whole(tmp_path):
+    """A large array whose tail is broken: rows come out before the parser ever reaches the tail."""
+    path = tmp_path / "big.json"
+    row = {"conversations": [{"from": "human", "value": "x" * 200}, {"from": "gpt", "value": "y" * 200}]}
+    with open(path, "w") as f:
+        f.write("[" + ",".join(json.dumps({"id": i, **row}) for i in range(5000)) + ", {broken")
+
+    stream = iter_records(path, chunk_size=4096)  # the file is ~2 MB, 500 chunks
+    first = [next(stream) for _ in range(3)]
+    assert [r.record["id"] for r in first] == [0, 1, 2]
+    with pytest.raises(SpecgenError, match=r"big\.json.*broken at element 5000"):
+        for _ in stream:
+            pass
+    assert count_records(path) is None  # unknown rather than wrong
+
+
+def test_element_larger_than_the_chunk_is_read_whole(tmp_path):
+    path = tmp_path / "long.json"
+    rows = [{"id": i, "text": "z" * 100_000} for i in range(3)]
+    path.write_text(json.dumps(rows))
+    assert records(path, chunk_size=16) == [(i, row, None) for i, row in enumerate(rows)]
+
+
+def test_jsonl_bad_lines_are_row_errors_and_the_run_goes_on(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"id": 0}\n\n{"id": 1\n[1, 2]\n\xff\xfe{"id": 3}\n  \n{"id": 4}\n')
+
+    result = list(iter_records(path))
+    assert [(r.index, r.record) for r in result] == [(0, {"id": 0}), (1, None), (2, None), (3, None), (4, {"id": 4})]
+    assert [r.error.reason if r.error else None for r in result] == [
+        None, "invalid_json", "not_an_object", "invalid_json", None]
+    assert result[1].error.message.startswith("line 3:") and result[3].error.message.startswith("line 5:")
+    assert all(isinstance(r.error, RowError) for r in result if r.error)
+    assert count_records(path) == 5
+
+
+def test_json_lines_saved_as_json_fall_back_to_line_mode(tmp_path):
+    path = tmp_path / "lines.json"
+    path.write_text("\n".join(json.dumps(row) for row in ROWS) + "\nnot json\n")
+
+    assert records(path) == [(i, row, None) for i, row in enumerate(ROWS)] + [(3, None, "invalid_json")]
+    assert count_records(path) == 4
+
+
+def test_parquet_rows_come_out_as_dicts_and_normalise(tmp_path):
+    path = tmp_path / "rows.parquet"
+    messages = [[{"role": "user", "content": "Hi", "reasoning_content": None},
+                 {"role": "assistant", "content": "Hello", "reasoning_content": "Greet back."}]] * 2500
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(2500)], "messages": messages}), path, row_group_size=1000)
+
+    result = list(iter_records(path))
+    assert [r.index for r in result] == list(range(2500)) and count_records(path) == 2500
+    assert result[1234].record == {"id": "r1234", "messages": messages[0]}
+    conversation = normalize(result[0].record)  # arrow fills absent struct fields with None
+    assert conversation.messages[0] == {"role": "user", "content": "Hi"}
+    assert conversation.messages[1]["reasoning_content"] == "Greet back."
+
+
+def test_save_to_disk_folder_is_read_memory_mapped(tmp_path):
+    import datasets
+
+    rows = [{"id": str(i), "instruction": f"Say {i}", "output": str(i)} for i in range(10)]
+    datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "saved")
+
+    assert records(tmp_path / "saved") == [(i, row, None) for i, row in enumerate(rows)]
+    assert count_records(tmp_path / "saved") == 10
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(tmp_path / "dict")
+    with pytest.raises(SpecgenError, match=r"DatasetDict with splits \['train'\].*dict/train"):
+        iter_records(tmp_path / "dict")
+
+
+@pytest.mark.parametrize("name", ["missing.jsonl", "rows.csv", "plain_folder"])
+def test_unusable_paths_fail_at_once_naming_data_path_and_formats(tmp_path, name):
+    (tmp_path / "rows.csv").write_text("a,b\n")
+    (tmp_path / "plain_folder").mkdir()
+    for function in (iter_records, count_records):
+        with pytest.raises(SpecgenError) as raised:
+            function(tmp_path / name)  # raised on the call, before any row is requested
+        assert "data.path" in str(raised.value) and ".jsonl, .parquet" in str(raised.value)
+
+
+@pytest.mark.parametrize("dataset", sorted(DATASETS))
+def test_real_datasets_read_cleanly(dataset):
+    path = require_shared(DATASETS[dataset])
+    result = list(iter_records(path))
+    assert result and all(r.error is None and isinstance(r.record, dict) for r in result)
+    assert [r.index for r in result] == list(range(len(result))) == list(range(count_records(path)))
+
+
+def test_a_file_that_is_not_parquet_is_a_user_error(tmp_path):
+    (tmp_path / "fake.parquet").write_text('{"id": 1}\n')
+    with pytest.raises(SpecgenError, match="data.path .*fake.parquet is not a readable Parquet file"):
+        iter_records(tmp_path / "fake.parquet")

@@ -1,0 +1,188 @@
+"""End-to-end generate stage: reference values, resume, bad input, config guard, CLI errors, readers."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+
+from conftest import REPO, TOKENIZERS, build_tiny_model, require_shared
+from specgen import open_shards
+from specgen.assets import ASSETS_DIR
+from specgen.config import compose
+from specgen.errors import SpecgenError
+from specgen.generate import run
+
+BUNDLED_TOKENIZER = ASSETS_DIR / "tokenizer"
+
+
+@pytest.fixture(scope="module")
+def small_target(tmp_path_factory) -> Path:
+    """A tiny llama (fp32, 8 layers) carrying the bundled 2048-token tokenizer."""
+    return build_tiny_model("llama", tmp_path_factory.mktemp("target"), vocab_size=2048,
+                            tokenizer_dir=BUNDLED_TOKENIZER)
+
+
+def generate(model: Path, out_dir: Path, *overrides: str) -> dict:
+    cfg = compose("generate", [f"model.path={model}", f"output.dir={out_dir}", "runtime.progress=false",
+                               "data.max_rows=24", "output.shard_size=8", *overrides])
+    return run(cfg)
+
+
+def load_rows(out_dir: Path) -> list[dict]:
+    dataset = open_shards(out_dir)
+    return [dataset[i] for i in range(len(dataset))]
+
+
+def test_rows_equal_hugging_face_forward(small_target, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    manifest = generate(small_target, tmp_path / "out", "capture.aux_layers=[0,3,7]")
+    assert manifest["capture"]["aux_layers"] == [0, 3, 7]
+    assert manifest["stats"]["samples"] == len(load_rows(tmp_path / "out")) > 0
+    model = AutoModelForCausalLM.from_pretrained(small_target).eval()
+    for row in load_rows(tmp_path / "out")[:6]:
+        with torch.no_grad():
+            hidden = model(row["input_ids"][None], output_hidden_states=True).hidden_states
+        aux = row["aux_hidden_states"].view(len(row["input_ids"]), 3, -1)
+        torch.testing.assert_close(aux[:, 0], hidden[1][0], rtol=1e-4, atol=1e-4)  # layer 0 output
+        torch.testing.assert_close(aux[:, 1], hidden[4][0], rtol=1e-4, atol=1e-4)  # layer 3 output
+        # layer 7 is the last layer: stored before the final norm, HF's hidden_states[8] is after it
+        torch.testing.assert_close(model.model.norm(aux[:, 2]), hidden[8][0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(row["last_hidden_state"], hidden[-1][0], rtol=1e-4, atol=1e-4)
+
+
+def test_default_layers_and_manifest(small_target, tmp_path):
+    manifest = generate(small_target, tmp_path / "out")
+    assert manifest["capture"]["aux_layers"] == [1, 3, 4]  # [1, L//2-1, L-4] for L=8
+    assert manifest["capture"]["last_hidden_state"].startswith("post_norm")
+    stats = manifest["stats"]
+    rows = load_rows(tmp_path / "out")
+    assert stats["tokens"] == sum(len(r["input_ids"]) for r in rows)
+    assert stats["trainable_tokens"] == sum(int(r["loss_mask"].sum()) for r in rows)
+    assert manifest["dtype"] == "float32" and manifest["hidden_size"] == 64 and manifest["num_aux"] == 3
+    assert len(manifest["tokenizer"]["chat_template_sha256"]) == 64
+    payload = stats["tokens"] * (4 + 1 + 4 * 64 * 4)
+    assert stats["bytes_on_disk"] <= 1.05 * payload
+    counts = json.loads((tmp_path / "out" / "token_counts.json").read_text())
+    assert sum(counts["counts"].values()) == stats["trainable_tokens"]
+
+
+def test_resume_after_kill_gives_the_uninterrupted_dataset(small_target, tmp_path):
+    reference = tmp_path / "reference"
+    generate(small_target, reference)
+    interrupted = tmp_path / "interrupted"
+    cmd = [sys.executable, "-m", "specgen.generate", f"model.path={small_target}", f"output.dir={interrupted}",
+           "runtime.progress=false", "data.max_rows=24", "output.shard_size=8", "capture.batch_tokens=256"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list(interrupted.glob("shard-*.arrow")) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (interrupted / "manifest.json").exists()
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+    got, want = load_rows(interrupted), load_rows(reference)
+    assert [r["sample_id"] for r in got] == [r["sample_id"] for r in want]
+    for a, b in zip(got, want):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        torch.testing.assert_close(a["aux_hidden_states"], b["aux_hidden_states"])
+        torch.testing.assert_close(a["last_hidden_state"], b["last_hidden_state"])
+
+
+def test_bad_rows_are_reported_and_good_rows_kept(small_target, tmp_path):
+    good = {"id": "good", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}
+    lines = [json.dumps(good), "{this is not json",
+             json.dumps({"id": "empty", "messages": []}),
+             json.dumps({"id": "role", "messages": [{"role": "wizard", "content": "x"},
+                                                    {"role": "assistant", "content": "y"}]}),
+             json.dumps({"id": "content", "messages": [{"role": "user", "content": 5},
+                                                       {"role": "assistant", "content": "y"}]}),
+             json.dumps({"id": "noassistant", "messages": [{"role": "user", "content": "only me"}]}),
+             json.dumps({"id": "alpaca-no-output", "instruction": "do it"}),
+             json.dumps({"id": "good2", "messages": [{"role": "user", "content": "2+2?"},
+                                                     {"role": "assistant", "content": "4"}]})]
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    manifest = generate(small_target, tmp_path / "out", f"data.path={data}")
+    assert sorted(r["sample_id"] for r in load_rows(tmp_path / "out")) == ["good", "good2"]
+    rejected = [json.loads(line) for line in (tmp_path / "out" / "rejected.jsonl").read_text().splitlines()]
+    assert [r["source_index"] for r in rejected] == [1, 2, 3, 4, 5, 6]
+    assert all(r["reason"] and r["message"] for r in rejected)
+    assert sum(manifest["stats"]["rejected"].values()) == 6
+    with pytest.raises(SpecgenError, match="row 1"):
+        generate(small_target, tmp_path / "strict", f"data.path={data}", "data.on_bad_row=fail")
+
+
+def test_changed_config_is_an_error_unless_overwrite(small_target, tmp_path):
+    generate(small_target, tmp_path / "out")
+    with pytest.raises(SpecgenError, match="different configuration.*capture.aux_layers"):
+        generate(small_target, tmp_path / "out", "capture.aux_layers=[1,2]")
+    manifest = generate(small_target, tmp_path / "out", "capture.aux_layers=[1,2]", "output.overwrite=true")
+    assert manifest["num_aux"] == 2 and open_shards(tmp_path / "out")[0]["aux_hidden_states"].shape[1] == 128
+    # performance knobs are not part of the dataset's identity: resuming with another batch size is fine
+    generate(small_target, tmp_path / "out", "capture.aux_layers=[1,2]", "capture.batch_tokens=64")
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("data.path=/nonexistent/data.jsonl", "data.path"),
+    ("capture.aux_layers=[1,99]", "capture.aux_layers"),
+    ("model.path=/nonexistent/model", "model.path"),
+])
+def test_cli_errors_are_one_line(small_target, tmp_path, override, expected):
+    proc = subprocess.run([sys.executable, "-m", "specgen.generate", f"model.path={small_target}",
+                           f"output.dir={tmp_path / 'out'}", override], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and expected in error_lines[0]
+
+
+def test_shards_load_with_pyarrow_and_datasets(small_target, tmp_path):
+    import datasets
+
+    generate(small_target, tmp_path / "out")
+    shards = sorted(str(p) for p in (tmp_path / "out").glob("shard-*.arrow"))
+    table = pa.concat_tables(pa.ipc.open_file(pa.memory_map(p)).read_all() for p in shards)
+    ds = datasets.load_dataset("arrow", data_files=shards, split="train")
+    reader = open_shards(tmp_path / "out")
+    assert table.num_rows == len(ds) == len(reader)
+    first = reader[0]
+    assert ds[0]["sample_id"] == first["sample_id"] and ds[0]["input_ids"] == first["input_ids"].tolist()
+    assert first["input_ids"].dtype == torch.long and first["aux_hidden_states"].dtype == torch.float32
+
+
+def test_qwen3_template_gives_per_turn_rows(tmp_path):
+    """The Qwen3 template rewrites history, so each assistant turn of a multi-turn conversation is its own row."""
+    tokenizer_dir = require_shared(TOKENIZERS["qwen3"])
+    model = build_tiny_model("qwen3", tmp_path / "qwen3", vocab_size=151680, hidden_size=32, num_layers=8,
+                             tokenizer_dir=tokenizer_dir)
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"id": "c", "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Goodbye!", "reasoning_content": "Say bye."}]}) + "\n")
+    generate(model, tmp_path / "out", f"data.path={data}")
+    rows = {r["sample_id"]: r for r in load_rows(tmp_path / "out")}
+    assert sorted(rows) == ["c#0", "c#1"]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    first_turn = tokenizer.decode(rows["c#0"]["input_ids"][rows["c#0"]["loss_mask"].bool()])
+    assert "Greet back." in first_turn and "Hello!" in first_turn
+
+
+def test_verify_passes_and_catches_a_wrong_model(small_target, tmp_path):
+    generate(small_target, tmp_path / "out")
+    verify = [sys.executable, "-m", "specgen.verify", f"output.dir={tmp_path / 'out'}", "verify.samples=2"]
+    ok = subprocess.run(verify, cwd=REPO, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    other = build_tiny_model("llama", tmp_path / "other", vocab_size=2048, seed=1, tokenizer_dir=BUNDLED_TOKENIZER)
+    bad = subprocess.run([*verify, f"verify.model_path={other}"], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 1 and "differs from the HF forward" in bad.stderr

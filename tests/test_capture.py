@@ -150,9 +150,25 @@ def test_sliding_window_layers_match_hf(arch, attn_implementation):
         torch.testing.assert_close(aux_slot(output, 1)[row, :length], reference.hidden_states[6][0])
         torch.testing.assert_close(output.last_hidden_state[row, :length], reference.hidden_states[-1][0])
     # Same weights without the window give other states, so the check above did exercise the window.
-    unwindowed = make_capture(sliding_window_model(arch, attn_implementation, window=None), [2, 5])
-    assert not torch.allclose(unwindowed(input_ids, lengths).last_hidden_state[0], output.last_hidden_state[0],
+    unwindowed = sliding_window_model(arch, attn_implementation, window=None)
+    unwindowed.load_state_dict(model.state_dict())
+    assert not torch.allclose(make_capture(unwindowed, [2, 5])(input_ids, lengths).last_hidden_state[0], output.last_hidden_state[0],
                               atol=1e-4)
+
+
+def test_sdpa_runs_its_causal_kernel_without_a_mask(saved_model, monkeypatch):
+    """No explicit mask under sdpa: only then can it dispatch to the flash / memory-efficient kernels."""
+    model = load_target(saved_model("llama"), attn_implementation="sdpa")
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(*args, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((attn_mask, is_causal))
+        return sdpa(*args, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    make_capture(model, None)(*right_padded_batch([7, 3]))
+    assert calls == [(None, True)] * NUM_LAYERS
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)

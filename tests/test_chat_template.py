@@ -26,7 +26,8 @@ def llama_reply(message: dict) -> str:
     """What Llama-3.1 generates for an assistant message (its template trims content, ignores reasoning)."""
     if "tool_calls" in message:
         call = message["tool_calls"][0]["function"]
-        body = '{"name": "' + call["name"] + '", "parameters": ' + json.dumps(call["arguments"], ensure_ascii=False) + "}"
+        arguments = json.dumps(call["arguments"], ensure_ascii=False)
+        body = '{"name": "' + call["name"] + '", "parameters": ' + arguments + "}"
     else:
         body = message["content"].strip()
     return body + "<|eot_id|>"
@@ -314,3 +315,21 @@ def test_prepare_rows_logs_dropped_turns_without_failing(tmp_path, qwen3_tokeniz
                           on_bad_row="fail")
     assert [s.sample_id for s in row.samples] == ["chat#0"]
     assert [(r.sample_id, r.reason) for r in row.rejections] == [("chat#1", "no_trainable_tokens")]
+
+
+@pytest.mark.parametrize("tokenizer_name", sorted(TOKENIZERS))
+def test_an_assistant_message_opening_the_conversation_is_context_only(tokenizer_name, request):
+    tokenizer = request.getfixturevalue(FIXTURES[tokenizer_name])
+    greeting = {"role": "assistant", "content": "Hi! How can I help?"}
+    conversation = Conversation(id="g", tools=None, messages=[greeting, {"role": "user", "content": "Hello"},
+                                                              {"role": "assistant", "content": "Sure."}])
+    chat = ChatTemplateTokenizer(tokenizer, max_length=4096)
+
+    samples = chat.tokenize(conversation, 0).samples
+    assert [run for s in samples for run in masked_runs(tokenizer, s)] == [
+        (llama_reply if tokenizer_name == "llama-3.1" else qwen_reply)(conversation.messages[2])]
+    assert all(s.sample_id in ("g", "g#1") for s in samples)
+    assert "Hi! How can I help?" in tokenizer.decode(samples[-1].input_ids)
+    with pytest.raises(RowError) as raised:
+        chat.tokenize(Conversation(id=None, tools=None, messages=[greeting]), 0)
+    assert raised.value.reason == "no_assistant_turn"

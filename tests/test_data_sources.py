@@ -142,3 +142,17 @@ def test_a_file_that_is_not_parquet_is_a_user_error(tmp_path):
     (tmp_path / "fake.parquet").write_text('{"id": 1}\n')
     with pytest.raises(SpecgenError, match="data.path .*fake.parquet is not a readable Parquet file"):
         iter_records(tmp_path / "fake.parquet")
+
+
+def test_folder_of_part_files_reads_as_one_source(tmp_path):
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    (folder / "part-00000.jsonl").write_text('{"id": "a"}\n{"id": "b"}\n')
+    (folder / "part-00001.jsonl").write_text('{"id": "c"}\nnot json\n')
+    pq.write_table(pa.table({"id": ["d", "e"]}), folder / "part-00002.parquet")
+    (folder / "manifest.txt").write_text("ignored: not a data file")
+    records = list(iter_records(folder))
+    assert [r.index for r in records] == [0, 1, 2, 3, 4, 5]
+    assert [r.record["id"] if r.record else None for r in records] == ["a", "b", "c", None, "d", "e"]
+    assert records[3].error.reason == "invalid_json" and "part-00001.jsonl line 2" in records[3].error.message
+    assert count_records(folder) == 6

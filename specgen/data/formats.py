@@ -2,7 +2,7 @@
 
 The format is detected per row from its keys, so a file may mix formats:
 
-- pre-tokenized: `input_ids` + `loss_mask`, passed through untouched;
+- pre-tokenized: `input_ids` + `loss_mask`, validated and passed through;
 - ShareGPT: `conversations: [{"from", "value"}]`, with glaive/LLaMA-Factory `function_call` and
   `observation` turns, an optional `tools` (list or JSON string) and `system` field;
 - OpenAI: `messages: [{"role", "content"}]`, content a string or a list of typed parts
@@ -66,19 +66,21 @@ def record_id(record: dict) -> str | None:
 
 def normalize(record: dict) -> Conversation | Pretokenized:
     row_id = record_id(record)
-    if "input_ids" in record:
+    # Columnar sources (Parquet, datasets) give every row every column, None where a row lacks it.
+    present = {key for key, value in record.items() if value is not None}
+    if "input_ids" in present:
         return _pretokenized(record, row_id)
-    if "conversations" in record:
+    if "conversations" in present:
         messages = _sharegpt_messages(record["conversations"])
-    elif "messages" in record:
+    elif "messages" in present:
         messages = _openai_messages(record["messages"])
-    elif "instruction" in record:
+    elif "instruction" in present:
         messages = _alpaca_messages(record)
-    elif "turns" in record:
+    elif "turns" in present:
         raise RowError("no_assistant_turn", "row has only prompts ('turns', e.g. MT-Bench) and no assistant "
                                             "reply; prompt sets are for evaluation, training needs conversations")
     else:
-        raise RowError("unknown_format", f"row has keys {sorted(record)[:8]}; expected {EXPECTED_KEYS}")
+        raise RowError("unknown_format", f"row has keys {sorted(present)[:8]}; expected {EXPECTED_KEYS}")
 
     system = record.get("system")
     if system is not None:

@@ -1,7 +1,8 @@
 """Stream rows out of a dataset file without loading it whole.
 
-Supported sources: `.json` (a JSON array, or JSON lines saved as .json), `.jsonl`, `.parquet`, and a
-folder written by `datasets.Dataset.save_to_disk` (memory-mapped). Each row comes back as a
+Supported sources: `.json` (a JSON array, or JSON lines saved as .json), `.jsonl`, `.parquet`, a folder
+written by `datasets.Dataset.save_to_disk` (memory-mapped), and a folder of such files (read in name order as
+one source, e.g. the `part-*.jsonl` files `specgen.regenerate` writes). Each row comes back as a
 `SourceRecord`; a row that cannot be read (a line that is not JSON, a value that is not an object)
 carries a `RowError` instead of a record so the caller can reject that row and go on.
 """
@@ -17,7 +18,9 @@ import pyarrow.parquet as pq
 
 from specgen.errors import RowError, SpecgenError
 
-SUPPORTED = ".json (array or JSON lines), .jsonl, .parquet, or a datasets save_to_disk folder"
+SUPPORTED = (".json (array or JSON lines), .jsonl, .parquet, a datasets save_to_disk folder, "
+             "or a folder of such files")
+FILE_KINDS = ("json", "jsonl", "parquet")
 JSON_WHITESPACE = " \t\n\r"
 PARQUET_BATCH_ROWS = 1024
 
@@ -36,6 +39,12 @@ def iter_records(path: str | Path, *, chunk_size: int = 1 << 20) -> Iterator[Sou
     """
     path = Path(path)
     kind = _source_kind(path)
+    if kind == "folder":
+        return _folder_records(_folder_files(path), chunk_size)
+    return _file_records(path, kind, chunk_size)
+
+
+def _file_records(path: Path, kind: str, chunk_size: int) -> Iterator[SourceRecord]:
     if kind == "json" and _starts_with_array(path):
         return _json_array_records(path, chunk_size)
     if kind in ("json", "jsonl"):
@@ -45,10 +54,30 @@ def iter_records(path: str | Path, *, chunk_size: int = 1 << 20) -> Iterator[Sou
     return _saved_dataset_records(_load_saved_dataset(path))
 
 
+def _folder_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower().lstrip(".") in FILE_KINDS)
+
+
+def _folder_records(files: list[Path], chunk_size: int) -> Iterator[SourceRecord]:
+    """The files' rows as one source: row indices continue across files; row errors name their file."""
+    offset = 0
+    for file in files:
+        count = 0
+        for record in _file_records(file, file.suffix.lower().lstrip("."), chunk_size):
+            if record.error is not None:
+                record.error = RowError(record.error.reason, f"{file.name} {record.error.message}")
+            yield SourceRecord(offset + record.index, record.record, record.error)
+            count = record.index + 1
+        offset += count
+
+
 def count_records(path: str | Path) -> int | None:
     """Number of rows in `path`, cheaply, for a progress ETA; None when it cannot be known without failing."""
     path = Path(path)
     kind = _source_kind(path)
+    if kind == "folder":
+        counts = [count_records(file) for file in _folder_files(path)]
+        return None if None in counts else sum(counts)
     if kind == "json" and _starts_with_array(path):
         try:
             return sum(1 for _ in _json_array_records(path, 1 << 20))
@@ -68,8 +97,10 @@ def _source_kind(path: Path) -> str:
     if path.is_dir():
         if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
             return "saved_dataset"
-        raise SpecgenError(f"data.path {path} is a folder without a datasets save_to_disk layout "
-                           f"(no state.json); point it at a {SUPPORTED}")
+        if _folder_files(path):
+            return "folder"
+        raise SpecgenError(f"data.path {path} is a folder with neither a datasets save_to_disk layout "
+                           f"(state.json) nor .json/.jsonl/.parquet files; point it at a {SUPPORTED}")
     kind = path.suffix.lower().lstrip(".")
     if kind not in ("json", "jsonl", "parquet"):
         raise SpecgenError(f"data.path {path} has unsupported type '{path.suffix}'; use a {SUPPORTED}")

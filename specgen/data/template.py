@@ -102,21 +102,26 @@ class ChatTemplateTokenizer:
         return TokenizeResult(samples, dropped)
 
     def _rows(self, conversation: Conversation, sample_id: str) -> list[tuple[str, str, list[tuple[int, int]]]]:
-        """(row id, text, trained character spans) for each row this conversation becomes."""
-        if self._template() is None:
+        """(row id, text, trained character spans) for each row this conversation becomes.
+
+        Per-turn row ids end in `#k`, k the turn's 0-based ordinal among the assistant messages.
+        """
+        if getattr(self.tokenizer, "chat_template", None) is None:
             raise SpecgenError("the tokenizer has no chat template; use a tokenizer (model.path) that ships one, "
                                "or give pre-tokenized rows (input_ids + loss_mask)")
+        # An assistant message that opens the conversation answers no prompt: it is context, not trained.
         assistant_positions = [i for i, m in enumerate(conversation.messages) if m["role"] == "assistant"]
-        turns = [self._render_turn(conversation, i) for i in assistant_positions]
-        full_text = turns[-1].text
+        turns = {k: self._render_turn(conversation, i) for k, i in enumerate(assistant_positions) if i > 0}
+        if not turns:
+            raise RowError("no_assistant_turn", "the only assistant message opens the conversation, so there is "
+                                                "no prompt it answers")
+        last = turns[max(turns)]
+        full_text = last.text
         if self.train_turns == "last":
-            return [(sample_id, full_text, [turns[-1].span])]
-        if all(full_text.startswith(turn.text) for turn in turns):
-            return [(sample_id, full_text, [turn.span for turn in turns])]
-        return [(f"{sample_id}#{k}", turn.text, [turn.span]) for k, turn in enumerate(turns)]
-
-    def _template(self):
-        return getattr(self.tokenizer, "chat_template", None)
+            return [(sample_id, full_text, [last.span])]
+        if all(full_text.startswith(turn.text) for turn in turns.values()):
+            return [(sample_id, full_text, [turn.span for turn in turns.values()])]
+        return [(f"{sample_id}#{k}", turn.text, [turn.span]) for k, turn in turns.items()]
 
     def _render_turn(self, conversation: Conversation, position: int) -> _Turn:
         history = self._render(conversation, conversation.messages[:position], add_generation_prompt=False)

@@ -1,0 +1,134 @@
+"""Training-time test (TTT): unroll the draft as it runs when serving, and score every step against the target.
+
+Alignment (index i of a sequence x[0..T-1] with target hidden states h and loss mask m):
+
+    step 0 at index i reads  token x[i+1]  and the target's fused hidden state h[i]
+    step j at index i reads  token x[i+1+j] and the draft's own step j-1 output at index i
+    step j at index i predicts token x[i+2+j]; its target is the target's distribution at position i+1+j,
+                         lm_head(last_hidden_state[i+1+j]), i.e. "position t predicts token t+1" with t = i+1+j
+    step j at index i is trained only where m[i+2+j] = 1: the token being predicted is one the data trains
+
+The mask therefore shifts together with the tokens, two places for step 0 and one more per step. (Masking with
+m[i], as some tools do, trains on predictions of prompt tokens and skips the first two of every reply.)
+Step j at index i sits at position i+j and attends to the base entries 0..i and its own chain (see
+`specgen.draft.model`), exactly like the j-th drafted token after verifying position i.
+
+Per step: loss_j = mean over valid positions of the cross-entropy between the target distribution (restricted to
+the draft vocabulary) and the draft's; positions whose target argmax lies outside the draft vocabulary are left
+out of the loss (no draft token can match there) but count as misses in acc_j. Total loss = sum_j decay^j loss_j.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specgen.draft.model import DraftKV, Eagle3Draft
+from specgen.draft.target_head import TargetDistribution, TargetHead
+
+
+@dataclass
+class DraftBatch:
+    """A right-padded batch of samples with the target's hidden states."""
+
+    input_ids: torch.Tensor  # [B, T] long
+    loss_mask: torch.Tensor  # [B, T] long 0/1 (0 on padding)
+    aux_hidden_states: torch.Tensor  # [B, T, k*H]
+    last_hidden_state: torch.Tensor  # [B, T, H], post-norm
+    lengths: torch.Tensor  # [B]
+
+    def to(self, device: torch.device | str) -> "DraftBatch":
+        return DraftBatch(*(t.to(device, non_blocking=True) for t in (
+            self.input_ids, self.loss_mask, self.aux_hidden_states, self.last_hidden_state, self.lengths)))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+def collate(rows: list[dict], pad_id: int = 0) -> DraftBatch:
+    """Right-pad per-sample dicts (`input_ids`, `loss_mask`, `aux_hidden_states`, `last_hidden_state`)."""
+    lengths = torch.tensor([len(row["input_ids"]) for row in rows])
+    longest = int(lengths.max())
+    first = rows[0]
+    input_ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), longest, dtype=torch.long)
+    aux = first["aux_hidden_states"].new_zeros(len(rows), longest, first["aux_hidden_states"].shape[-1])
+    last = first["last_hidden_state"].new_zeros(len(rows), longest, first["last_hidden_state"].shape[-1])
+    for b, row in enumerate(rows):
+        n = len(row["input_ids"])
+        input_ids[b, :n] = torch.as_tensor(row["input_ids"])
+        loss_mask[b, :n] = torch.as_tensor(row["loss_mask"])
+        aux[b, :n] = row["aux_hidden_states"]
+        last[b, :n] = row["last_hidden_state"]
+    return DraftBatch(input_ids, loss_mask, aux, last, lengths)
+
+
+def shift_left(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
+    """x[:, n:] padded back to x's length with `fill` (dim 1)."""
+    pad = x.new_full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def predicted_token_mask(loss_mask: torch.Tensor, step: int) -> torch.Tensor:
+    """[B, T] bool: step `step` at index i predicts token i+2+step, a trained token."""
+    return shift_left(loss_mask, 2 + step).bool()
+
+
+def target_positions_needed(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: positions t whose target distribution some step uses (the token t+1 is trained)."""
+    return shift_left(loss_mask, 1).bool()
+
+
+@dataclass
+class StepStats:
+    """Sums for one TTT step (summed across processes before dividing, so logged metrics are global)."""
+
+    loss_sum: torch.Tensor  # sum of per-position cross-entropies over valid positions
+    valid: torch.Tensor  # positions in the loss
+    correct: torch.Tensor  # positions where the draft's argmax equals the target's
+    predicted: torch.Tensor  # positions whose predicted token is trained (the accuracy denominator)
+
+
+@dataclass
+class TTTOutput:
+    loss: torch.Tensor  # what backward() runs on
+    steps: list[StepStats]
+
+
+def ttt_forward(draft: Eagle3Draft, batch: DraftBatch, target: TargetDistribution, *, ttt_length: int,
+                decay: float) -> TTTOutput:
+    """Unroll the draft for `ttt_length` steps over a batch and score it against the target distribution."""
+    seq_len = batch.input_ids.shape[1]
+    positions = torch.arange(seq_len, device=batch.input_ids.device).expand(batch.input_ids.shape[0], -1)
+    hidden = draft.project(batch.aux_hidden_states)
+    kv = DraftKV()
+    losses, steps = [], []
+    for step in range(ttt_length):
+        scored = seq_len - 1 - step  # indices whose target position i+1+step lies inside the sequence
+        if scored <= 0:
+            zero = batch.loss_mask.new_zeros(())
+            losses.append(hidden.new_zeros(()))
+            steps.append(StepStats(zero.float(), zero, zero, zero))
+            continue
+        hidden = draft(shift_left(batch.input_ids, 1 + step), hidden, positions + step, kv,
+                       extend_base=step == 0)
+        log_probs = F.log_softmax(draft.logits(hidden[:, :scored]).float(), dim=-1)
+        target_probs = target.probs[:, 1 + step:]
+        target_argmax = target.argmax[:, 1 + step:]
+        predicted = predicted_token_mask(batch.loss_mask, step)[:, :scored]
+        valid = predicted & draft.t2d[target_argmax.clamp(min=0)]
+        cross_entropy = -(target_probs * log_probs).sum(-1)
+        loss_sum = (cross_entropy * valid).sum()
+        losses.append(loss_sum / valid.sum().clamp(min=1) * decay ** step)
+        with torch.no_grad():
+            correct = (draft.to_target_ids(log_probs.argmax(-1)) == target_argmax) & predicted
+            steps.append(StepStats(loss_sum.detach(), valid.sum(), correct.sum(), predicted.sum()))
+    return TTTOutput(loss=torch.stack(losses).sum(), steps=steps)
+
+
+def draft_step_loss(draft: Eagle3Draft, head: TargetHead, batch: DraftBatch, *, ttt_length: int,
+                    decay: float) -> TTTOutput:
+    """The full training objective for one batch: target distribution from the LM head, then TTT."""
+    target = head.distribution(batch.last_hidden_state, target_positions_needed(batch.loss_mask))
+    return ttt_forward(draft, batch, target, ttt_length=ttt_length, decay=decay)

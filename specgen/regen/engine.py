@@ -1,0 +1,148 @@
+"""Batched generation on the transformers backend: left-padded `model.generate` with the KV cache.
+
+Prompts are sorted by length and grouped under a token budget (`token_budget_batches`), so a batch holds prompts
+of similar length and little compute goes to padding. Left padding puts every prompt's last token in the same
+column, so all rows of a batch decode in lockstep from one shared KV cache; the attention mask hides the padding
+and `generate` derives position ids from it, so a padded row computes what it would compute alone.
+
+The generation settings are exactly the ones in `Sampling`: the checkpoint's own `generation_config` (which may
+carry top_k, repetition_penalty, ...) is replaced, so the manifest records everything that shaped the text.
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from specgen.data.batching import token_budget_batches
+from specgen.errors import SpecgenError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How each turn is generated. temperature 0 is greedy decoding; top_k 0 and top_p 1 switch those filters off."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise SpecgenError(f"regenerate.temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise SpecgenError(f"regenerate.top_p must lie in (0, 1] (1: off), got {self.top_p}")
+        if self.top_k < 0:
+            raise SpecgenError(f"regenerate.top_k must be >= 0 (0: off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise SpecgenError(f"regenerate.max_new_tokens must be a positive number of tokens, "
+                               f"got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generation_config(self, stop_token_ids: list[int], pad_token_id: int) -> GenerationConfig:
+        sampling = {} if self.greedy else {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        return GenerationConfig(do_sample=not self.greedy, max_new_tokens=self.max_new_tokens,
+                                eos_token_id=stop_token_ids, pad_token_id=pad_token_id, **sampling)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One generated turn: its tokens without the stop token, and whether a stop token ended it."""
+
+    token_ids: list[int]
+    finished: bool  # False: it reached max_new_tokens (truncated)
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens the model produced for this turn, the stop token included."""
+        return len(self.token_ids) + int(self.finished)
+
+
+def stop_token_ids(model: PreTrainedModel, tokenizer) -> list[int]:
+    """The tokens that end a turn: the checkpoint's generation eos ids (often several, e.g. Llama-3.1's
+    <|eot_id|> and <|eom_id|>) plus the tokenizer's eos token."""
+    configured = model.generation_config.eos_token_id
+    ids = [configured] if isinstance(configured, int) else list(configured or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    ids = list(dict.fromkeys(ids))
+    if not ids:
+        raise SpecgenError("neither the model's generation_config.json nor its tokenizer names an eos token, so a "
+                           "turn could never end; add eos_token_id to generation_config.json in model.path")
+    return ids
+
+
+@dataclass(frozen=True)
+class _Request:
+    """A prompt as `token_budget_batches` sees it: its length counts the tokens it may grow to in the KV cache."""
+
+    index: int
+    prompt: list[int]
+    capacity: int
+
+    def __len__(self) -> int:
+        return self.capacity
+
+
+class Generator:
+    """Complete many prompts with one model, in left-padded batches.
+
+    batch_size: at most this many prompts decode together.
+    batch_tokens: at most this many KV-cache positions per batch, counted as
+        rows x (longest prompt + max_new_tokens); bounds memory whatever the prompt lengths.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer, sampling: Sampling, *, batch_size: int,
+                 batch_tokens: int):
+        if batch_size < 1 or batch_tokens < 1:
+            raise SpecgenError(f"regenerate.batch_size and regenerate.batch_tokens must be positive, got "
+                               f"{batch_size} and {batch_tokens}")
+        self.model = model
+        self.sampling = sampling
+        self.batch_size = batch_size
+        self.batch_tokens = batch_tokens
+        self.stop_token_ids = stop_token_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else self.stop_token_ids[0]  # any id: the mask hides it
+        model.generation_config = sampling.generation_config(self.stop_token_ids, self.pad_token_id)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    def complete(self, prompts: Sequence[list[int]],
+                 on_batch: Callable[[int], None] | None = None) -> list[Completion]:
+        """One completion per prompt, in the order given; `on_batch(tokens generated)` after each batch."""
+        requests = [_Request(i, prompt, len(prompt) + self.sampling.max_new_tokens)
+                    for i, prompt in enumerate(prompts)]
+        completions: list[Completion | None] = [None] * len(requests)
+        for batch in token_budget_batches(requests, self.batch_tokens, self.batch_size):
+            done = self._generate([request.prompt for request in batch])
+            for request, completion in zip(batch, done):
+                completions[request.index] = completion
+            if on_batch is not None:
+                on_batch(sum(completion.num_generated for completion in done))
+        return completions
+
+    @torch.inference_mode()
+    def _generate(self, prompts: list[list[int]]) -> list[Completion]:
+        width = max(len(prompt) for prompt in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt):] = 1
+        output = self.model.generate(input_ids=input_ids.to(self.device),
+                                     attention_mask=attention_mask.to(self.device))
+        return [self._completion(row) for row in output[:, width:].tolist()]
+
+    def _completion(self, tokens: list[int]) -> Completion:
+        """Cut at the first stop token: what follows is the padding of a row that finished before the batch."""
+        for position, token in enumerate(tokens):
+            if token in self.stop_token_ids:
+                return Completion(tokens[:position], finished=True)
+        return Completion(tokens, finished=False)

@@ -1,0 +1,225 @@
+"""Conversations -> the same conversations with their assistant turns written by the target.
+
+Turn k of a conversation is generated from the conversation so far, rendered with the chat template and its
+generation prompt, where turns before k are already the target's own: the context is on-policy, as when serving.
+Conversations are processed together depth by depth (every conversation's first regenerated turn, then every
+second one, ...), so each depth is one list of independent prompts that the `Generator` batches.
+
+Which turns: every assistant turn (`turns=all`) or only the final one (`turns=last`). Assistant turns that call
+tools are kept verbatim: the tool turns that follow hold the results of exactly those calls, so a different call
+would leave the conversation incoherent.
+
+Nothing is lost silently. A generation that reaches max_new_tokens is *truncated*, one whose answer (content,
+reasoning aside) is blank is *empty*; both are counted and the row is kept or dropped by policy. A row whose
+prompt for a turn is longer than `max_prompt_tokens` has no room for that turn in training (generate truncates at
+the same length), so it is cut before that turn and counted, or rejected when no turn was regenerated yet.
+Rows that leave the output become `Rejection`s (row index, id, reason) for `rejected.jsonl`.
+"""
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from jinja2.exceptions import TemplateError
+
+from specgen.data.formats import Conversation, Pretokenized, normalize, record_id
+from specgen.data.prepare import ON_BAD_ROW, Rejection
+from specgen.data.sources import SourceRecord
+from specgen.errors import RowError, SpecgenError
+from specgen.regen.engine import Completion, Generator
+from specgen.regen.reply import assistant_reply, renders_reasoning
+
+TURNS = ("all", "last")
+POLICIES = ("keep", "drop")
+# Reasons a row is dropped by policy rather than rejected as bad input; the manifest counts them apart.
+POLICY_REASONS = ("truncated", "empty")
+# The per-unit counts, summed over units into the manifest.
+COUNTS = ("source_rows", "rows", "regenerated_turns", "new_tokens", "truncated_turns", "empty_turns", "cut_rows",
+          "kept_tool_call_turns")
+
+
+class _Prompt(NamedTuple):
+    text: str
+    ids: list[int]
+
+
+@dataclass(frozen=True)
+class TurnPolicy:
+    turns: str = "all"          # all | last: which assistant turns are regenerated
+    on_truncated: str = "keep"  # keep | drop a row with a turn that reached max_new_tokens
+    on_empty: str = "drop"      # keep | drop a row with a turn whose answer is blank
+
+    def __post_init__(self) -> None:
+        for key, value, allowed in (("turns", self.turns, TURNS), ("on_truncated", self.on_truncated, POLICIES),
+                                    ("on_empty", self.on_empty, POLICIES)):
+            if value not in allowed:
+                raise SpecgenError(f"regenerate.{key} must be one of {list(allowed)}, got {value!r}")
+
+
+@dataclass
+class _Row:
+    """One conversation in flight; `conversation.messages` is updated in place as its turns are regenerated."""
+
+    source_index: int
+    row_id: str
+    conversation: Conversation
+    targets: list[int]  # message positions of the assistant turns to regenerate, in order
+    done: int = 0       # how many of `targets` are regenerated
+    rejection: Rejection | None = None  # set when the row leaves the output
+
+    @property
+    def waiting(self) -> bool:
+        return self.rejection is None and self.done < len(self.targets)
+
+    def leave(self, reason: str, message: str) -> None:
+        if self.rejection is None:
+            self.rejection = Rejection(self.source_index, self.row_id, reason, message)
+
+    def output(self) -> dict:
+        row = {"id": self.row_id, "messages": self.conversation.messages}
+        if self.conversation.tools:
+            row["tools"] = self.conversation.tools
+        return row
+
+
+@dataclass
+class UnitResult:
+    """What one work unit of source rows became: output rows, rows left out, and counts for the sidecar."""
+
+    rows: list[dict]
+    rejections: list[Rejection]
+    stats: dict = field(default_factory=dict)
+
+
+class ConversationRegenerator:
+    """Regenerate the assistant turns of source rows with `generator`, rendering with `tokenizer`'s chat template.
+
+    max_prompt_tokens: longest prompt a turn may be generated from (use data.max_length).
+    chat_template_kwargs: extra template variables, e.g. {"enable_thinking": False}.
+    on_bad_row: "skip" logs a malformed row as a rejection; "fail" raises `SpecgenError` at the first one.
+    """
+
+    def __init__(self, tokenizer, generator: Generator, policy: TurnPolicy, *, max_prompt_tokens: int,
+                 chat_template_kwargs: dict | None = None, on_bad_row: str = "skip"):
+        if max_prompt_tokens < 1:
+            raise SpecgenError(f"data.max_length must be a positive number of tokens, got {max_prompt_tokens}")
+        if on_bad_row not in ON_BAD_ROW:
+            raise SpecgenError(f"data.on_bad_row must be one of {list(ON_BAD_ROW)}, got {on_bad_row!r}")
+        self.tokenizer = tokenizer
+        self.generator = generator
+        self.policy = policy
+        self.max_prompt_tokens = max_prompt_tokens
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.on_bad_row = on_bad_row
+        self.split_reasoning = renders_reasoning(tokenizer)
+
+    def regenerate(self, records: Iterable[SourceRecord],
+                   on_batch: Callable[[int], None] | None = None) -> UnitResult:
+        """Regenerate a group of source rows (one work unit); output rows keep the source order."""
+        stats = Counter()
+        rows: list[_Row] = []
+        rejections: list[Rejection] = []
+        for source in records:
+            stats["source_rows"] += 1
+            try:
+                rows.append(self._plan(source))
+            except RowError as error:
+                rejections.append(self._rejection(source.index, _source_id(source), error))
+
+        while waiting := [row for row in rows if row.waiting]:
+            ready = [(row, prompt) for row in waiting if (prompt := self._prompt(row, stats)) is not None]
+            completions = self.generator.complete([prompt.ids for _, prompt in ready], on_batch)
+            for (row, prompt), completion in zip(ready, completions):
+                self._accept(row, prompt.text, completion, stats)
+
+        kept = [row for row in rows if row.rejection is None]
+        rejections += [row.rejection for row in rows if row.rejection is not None]
+        rejections.sort(key=lambda rejection: rejection.source_index)
+        stats["rows"] = len(kept)
+        stats["kept_tool_call_turns"] = sum(_tool_call_turns(row.conversation) for row in kept)
+        unit_stats = {key: stats[key] for key in COUNTS}
+        unit_stats["dropped"] = dict(Counter(r.reason for r in rejections if r.reason in POLICY_REASONS))
+        unit_stats["rejected"] = dict(Counter(r.reason for r in rejections if r.reason not in POLICY_REASONS))
+        return UnitResult([row.output() for row in kept], rejections, unit_stats)
+
+    def _plan(self, source: SourceRecord) -> _Row:
+        if source.error is not None:
+            raise source.error
+        item = normalize(source.record)
+        if isinstance(item, Pretokenized):
+            raise RowError("pretokenized", "pre-tokenized rows (input_ids + loss_mask) have no conversation to "
+                                           "regenerate; give conversations, or pass this row to generate directly")
+        assistant = [i for i, message in enumerate(item.messages) if message["role"] == "assistant"]
+        candidates = assistant[-1:] if self.policy.turns == "last" else assistant
+        targets = [i for i in candidates if not item.messages[i].get("tool_calls")]
+        if not targets:
+            raise RowError("no_regenerable_turn", "every assistant turn to regenerate calls tools; those are kept "
+                                                  "verbatim (the tool turns answer exactly those calls), so this "
+                                                  "row has nothing to regenerate")
+        row_id = item.id if item.id is not None else f"row-{source.index}"
+        return _Row(source.index, row_id, item, targets)
+
+    def _prompt(self, row: _Row, stats: Counter) -> _Prompt | None:
+        """(text, token ids) of the prompt for the row's next turn; None when the row stops here."""
+        position = row.targets[row.done]
+        history = row.conversation.messages[:position]
+        try:
+            text = self.tokenizer.apply_chat_template(history, tools=row.conversation.tools, tokenize=False,
+                                                      add_generation_prompt=True, **self.chat_template_kwargs)
+        except TemplateError as error:
+            self._reject_row(row, RowError("template_error", f"the chat template rejected the conversation: "
+                                                             f"{error}"))
+            return None
+        # The rendered text already holds BOS where the template wants it: add no special tokens.
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= self.max_prompt_tokens:
+            return _Prompt(text, ids)
+        if row.done:
+            # Regenerated turns before this one are usable: end the conversation before the turn with no room.
+            row.conversation.messages = history
+            row.targets = row.targets[: row.done]
+            stats["cut_rows"] += 1
+        else:
+            self._reject_row(row, RowError("prompt_too_long", f"the prompt for the first turn to regenerate has "
+                                                              f"{len(ids)} tokens, more than data.max_length="
+                                                              f"{self.max_prompt_tokens}; raise data.max_length"))
+        return None
+
+    def _accept(self, row: _Row, prompt: str, completion: Completion, stats: Counter) -> None:
+        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+        message = assistant_reply(text, prompt=prompt, split_reasoning=self.split_reasoning)
+        position = row.targets[row.done]
+        row.conversation.messages[position] = message
+        row.done += 1
+        stats["regenerated_turns"] += 1
+        stats["new_tokens"] += completion.num_generated
+        if not completion.finished:
+            stats["truncated_turns"] += 1
+            if self.policy.on_truncated == "drop":
+                row.leave("truncated", f"the assistant turn at message {position} reached regenerate.max_new_tokens="
+                                       f"{self.generator.sampling.max_new_tokens} (regenerate.on_truncated=drop)")
+        if not message["content"].strip():
+            stats["empty_turns"] += 1
+            if self.policy.on_empty == "drop":
+                row.leave("empty", f"the assistant turn at message {position} has an empty answer "
+                                   "(regenerate.on_empty=drop)")
+
+    def _reject_row(self, row: _Row, error: RowError) -> None:
+        rejection = self._rejection(row.source_index, row.row_id, error)
+        row.leave(rejection.reason, rejection.message)
+
+    def _rejection(self, source_index: int, row_id: str | None, error: RowError) -> Rejection:
+        if self.on_bad_row == "fail":
+            raise SpecgenError(f"row {source_index} (id {row_id}) is unusable: {error.reason}: {error.message}; "
+                               "fix it or set data.on_bad_row=skip to log it in rejected.jsonl and go on")
+        return Rejection(source_index, row_id, error.reason, error.message)
+
+
+def _source_id(source: SourceRecord) -> str | None:
+    return None if source.record is None else record_id(source.record)
+
+
+def _tool_call_turns(conversation: Conversation) -> int:
+    return sum(1 for message in conversation.messages if message["role"] == "assistant" and message.get("tool_calls"))

@@ -1,0 +1,240 @@
+"""`python -m specgen.regenerate`: rewrite every assistant turn with the target's own completion.
+
+A draft learns the target's distribution best from text the target wrote itself, so this stage replaces the
+dataset's assistant turns with the target's completions (see `specgen.regen.turns` for the turn-by-turn rules)
+and writes conversations that `python -m specgen.generate data.path=<output.dir>` reads directly.
+
+Read top to bottom: load the tokenizer and target, claim the output directory, then stream the source in work
+units of `output.shard_size` rows, exactly as generate does. Each unit becomes one `part-NNNNN.jsonl`, written
+atomically; units finished by an earlier (possibly killed) run are skipped, so re-running the same command
+resumes. Under `accelerate launch` each process takes the units `unit % world_size == rank`; the main process
+writes `rejected.jsonl` and `manifest.json` once every part is on disk.
+"""
+
+import hashlib
+import itertools
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from specgen.capture.target import config_hash, load_target
+from specgen.config import stage_main, to_container
+from specgen.data.sources import count_records, iter_records
+from specgen.data.template import chat_template_sha256
+from specgen.distributed import Workers, init_workers
+from specgen.errors import SpecgenError
+from specgen.generate import load_tokenizer, work_units
+from specgen.outdir import claim_output_dir
+from specgen.progress import Progress, format_table
+from specgen.regen.engine import Generator, Sampling
+from specgen.regen.parts import finished_parts, part_name, read_sidecar, remove_partial, write_part
+from specgen.regen.turns import COUNTS, ConversationRegenerator, TurnPolicy
+from specgen.store.manifest import REJECTED, write_manifest
+
+log = logging.getLogger("specgen.regenerate")
+
+FORMAT = "specgen.conversations"
+SEEDING = "torch.manual_seed(unit_seed(seed, part index)) before each part, so a part's text does not depend on " \
+          "which process made it or on what ran before"
+POLL_SECONDS = 2.0
+
+
+def unit_seed(seed: int, unit: int) -> int:
+    """The sampling seed of one work unit, derived from the run's seed and the unit index."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{unit}".encode()).digest()[:8], "little") >> 1
+
+
+def template_kwargs(cfg: DictConfig, tokenizer) -> dict:
+    """data.chat_template_kwargs, with `enable_thinking` set from regenerate.thinking when that is not null."""
+    kwargs = to_container(cfg.data.chat_template_kwargs)
+    thinking = cfg.regenerate.thinking
+    if thinking is None:
+        return kwargs
+    if not isinstance(thinking, bool):
+        raise SpecgenError(f"regenerate.thinking must be null, true or false, got {thinking!r}")
+    if "enable_thinking" not in json.dumps(tokenizer.chat_template):
+        raise SpecgenError(f"regenerate.thinking={str(thinking).lower()} but the chat template of "
+                           f"{cfg.tokenizer.path} has no enable_thinking switch; leave regenerate.thinking=null")
+    if kwargs.get("enable_thinking", thinking) != thinking:
+        raise SpecgenError(f"regenerate.thinking={str(thinking).lower()} contradicts data.chat_template_kwargs."
+                           f"enable_thinking={kwargs['enable_thinking']}; set only one of them")
+    return {**kwargs, "enable_thinking": thinking}
+
+
+def build_regenerator(cfg: DictConfig, tokenizer, model) -> ConversationRegenerator:
+    settings = cfg.regenerate
+    sampling = Sampling(temperature=float(settings.temperature), top_p=float(settings.top_p),
+                        top_k=int(settings.top_k), max_new_tokens=int(settings.max_new_tokens))
+    generator = Generator(model, tokenizer, sampling, batch_size=settings.batch_size,
+                          batch_tokens=settings.batch_tokens)
+    policy = TurnPolicy(turns=settings.turns, on_truncated=settings.on_truncated, on_empty=settings.on_empty)
+    return ConversationRegenerator(tokenizer, generator, policy, max_prompt_tokens=cfg.data.max_length,
+                                   chat_template_kwargs=template_kwargs(cfg, tokenizer),
+                                   on_bad_row=cfg.data.on_bad_row)
+
+
+def generation_settings(cfg: DictConfig, regenerator: ConversationRegenerator) -> dict:
+    """Everything that shaped the generated text, for the manifest (and, minus speed knobs, the identity)."""
+    sampling = regenerator.generator.sampling
+    return {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+            "max_new_tokens": sampling.max_new_tokens, "seed": cfg.regenerate.seed, "seeding": SEEDING,
+            "thinking": cfg.regenerate.thinking, "chat_template_kwargs": regenerator.chat_template_kwargs,
+            "turns": regenerator.policy.turns, "on_truncated": regenerator.policy.on_truncated,
+            "on_empty": regenerator.policy.on_empty, "max_prompt_tokens": regenerator.max_prompt_tokens,
+            "stop_token_ids": regenerator.generator.stop_token_ids, "split_reasoning": regenerator.split_reasoning,
+            "backend": "transformers generate: left-padded batches, KV cache"}
+
+
+def dataset_identity(cfg: DictConfig, model_config_hash: str, template_sha: str, generation: dict) -> dict:
+    """Everything that changes the dataset's content (and nothing that only changes speed, such as batch size)."""
+    data = to_container(cfg.data)
+    return {"model.path": str(Path(cfg.model.path).resolve()), "model.config_hash": model_config_hash,
+            "model.dtype": cfg.model.dtype, "tokenizer.path": str(Path(cfg.tokenizer.path).resolve()),
+            "chat_template_sha256": template_sha,
+            "data": {key: data[key] for key in ("path", "max_length", "max_rows", "on_bad_row")},
+            "generation": generation, "output.shard_size": cfg.output.shard_size}
+
+
+def owned_rows(total: int | None, shard_size: int, workers: Workers) -> int | None:
+    """How many source rows this process regenerates (for its progress bar)."""
+    if total is None:
+        return None
+    return sum(min(shard_size, total - unit * shard_size)
+               for unit in range(math.ceil(total / shard_size)) if workers.owns(unit))
+
+
+def wait_for_parts(out_dir: Path, units: list[int]) -> None:
+    """Return once every unit's part is committed, whichever process writes it.
+
+    A file poll rather than a collective barrier: regenerating one unit can take longer than the process group's
+    collective timeout (10 minutes on NCCL), and `accelerate launch` stops every process when one fails anyway.
+    """
+    missing = set(units) - set(finished_parts(out_dir))
+    if missing:
+        log.info("waiting for %d parts from the other processes", len(missing))
+    while missing:
+        time.sleep(POLL_SECONDS)
+        missing -= set(finished_parts(out_dir))
+
+
+def sum_stats(sidecars: list[dict]) -> dict:
+    """Add the units' counts; count tables (`dropped`, `rejected`) are merged key by key."""
+    totals: dict = {key: 0 for key in COUNTS} | {"dropped": {}, "rejected": {}}
+    for sidecar in sidecars:
+        for key, value in sidecar["stats"].items():
+            if isinstance(value, dict):
+                for reason, count in value.items():
+                    totals[key][reason] = totals[key].get(reason, 0) + count
+            else:
+                totals[key] += value
+    return totals
+
+
+def finish(cfg: DictConfig, out_dir: Path, units: list[int], model, identity: dict) -> dict:
+    """Main process: gather every part's sidecar into rejected.jsonl and the manifest (written last)."""
+    sidecars = [read_sidecar(out_dir, unit) for unit in units]
+    rejected = out_dir / REJECTED
+    tmp = rejected.with_name(rejected.name + ".tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for sidecar in sidecars for row in sidecar["rejected"]))
+    tmp.replace(rejected)
+    manifest = {
+        "format": FORMAT, "format_version": 1,
+        "parts": [part_name(unit) for unit in units],
+        "model": {"path": identity["model.path"], "config_hash": identity["model.config_hash"],
+                  "architecture": type(model).__name__, "dtype": str(model.dtype).removeprefix("torch.")},
+        "tokenizer": {"path": identity["tokenizer.path"], "chat_template_sha256": identity["chat_template_sha256"]},
+        "generation": identity["generation"],
+        "stats": sum_stats(sidecars),
+        "config": to_container(cfg),
+    }
+    write_manifest(out_dir, manifest)
+    return manifest
+
+
+def print_summary(manifest: dict, out_dir: Path, new_tokens: int, rows: int, seconds: float) -> None:
+    stats, generation = manifest["stats"], manifest["generation"]
+
+    def table(counts: dict) -> str:
+        return f"{sum(counts.values()):,}" + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(counts.items()))}; "
+                                              f"see {REJECTED})" if counts else "")
+
+    print(format_table([
+        ("output", str(out_dir)),
+        ("rows", f"{stats['rows']:,} of {stats['source_rows']:,} source rows in {len(manifest['parts'])} parts"),
+        ("regenerated turns", f"{stats['regenerated_turns']:,} ({stats['new_tokens']:,} new tokens; "
+                              f"{stats['kept_tool_call_turns']:,} tool-call turns kept verbatim)"),
+        ("truncated turns", f"{stats['truncated_turns']:,} reached max_new_tokens={generation['max_new_tokens']} "
+                            f"(on_truncated={generation['on_truncated']})"),
+        ("empty turns", f"{stats['empty_turns']:,} (on_empty={generation['on_empty']})"),
+        ("dropped rows", table(stats["dropped"])),
+        ("cut rows", f"{stats['cut_rows']:,} ended before a turn whose prompt exceeds data.max_length"),
+        ("rejected rows", table(stats["rejected"])),
+        ("throughput", f"{new_tokens / max(seconds, 1e-9):,.0f} new tokens/s, {rows / max(seconds, 1e-9):,.2f} "
+                       f"rows/s in this process ({seconds:.1f}s)" if new_tokens else
+                       "nothing left to generate: every part was already finished"),
+        ("next", f"python -m specgen.generate model.path={manifest['model']['path']} data.path={out_dir}"),
+    ]))
+
+
+def run(cfg: DictConfig) -> dict | None:
+    """Regenerate the dataset; returns the manifest on the main process and None on the others."""
+    if not Path(cfg.model.path).is_dir():
+        raise SpecgenError(f"model.path={cfg.model.path} is not a folder; point it at a local Hugging Face model "
+                           "folder (config.json + weights)")
+    workers = init_workers(cfg.runtime.device)
+    tokenizer = load_tokenizer(cfg.tokenizer.path)
+    model = load_target(cfg.model.path, dtype=cfg.model.dtype, device=str(workers.device),
+                        attn_implementation=cfg.model.attn_implementation)
+    regenerator = build_regenerator(cfg, tokenizer, model)
+    identity = dataset_identity(cfg, config_hash(model), chat_template_sha256(tokenizer),
+                                generation_settings(cfg, regenerator))
+
+    out_dir = Path(cfg.output.dir)
+    if workers.is_main:
+        if claim_output_dir(out_dir, identity, overwrite=cfg.output.overwrite):
+            log.info("resuming in %s", out_dir)
+        remove_partial(out_dir)
+    workers.barrier()  # the others start once the directory is claimed (and cleared on overwrite)
+    done = finished_parts(out_dir)
+
+    records = iter_records(cfg.data.path)
+    total = count_records(cfg.data.path)
+    if cfg.data.max_rows is not None:
+        records = itertools.islice(records, cfg.data.max_rows)
+        total = min(total, cfg.data.max_rows) if total is not None else cfg.data.max_rows
+    progress = Progress(owned_rows(total, cfg.output.shard_size, workers), desc="regenerate",
+                        enabled=cfg.runtime.progress and workers.is_main)
+    units, new_tokens, rows = [], 0, 0
+    for unit, unit_records in work_units(records, cfg.output.shard_size):
+        units.append(unit)
+        if not workers.owns(unit):
+            continue
+        if unit in done:
+            progress.update(len(unit_records), 0)
+            continue
+        torch.manual_seed(unit_seed(cfg.regenerate.seed, unit))
+        result = regenerator.regenerate(unit_records, on_batch=lambda tokens: progress.update(0, tokens))
+        write_part(out_dir, unit, result.rows,
+                   {"stats": result.stats, "rejected": [rejection.to_json() for rejection in result.rejections]})
+        progress.update(len(unit_records), 0)
+        new_tokens += result.stats["new_tokens"]
+        rows += len(unit_records)
+    seconds = progress.close()
+    if not workers.is_main:
+        return None
+
+    wait_for_parts(out_dir, units)
+    manifest = finish(cfg, out_dir, units, model, identity)
+    print_summary(manifest, out_dir, new_tokens, rows, seconds)
+    return manifest
+
+
+main = stage_main("regenerate")(run)
+
+if __name__ == "__main__":
+    main()

@@ -25,13 +25,14 @@ if not OmegaConf.has_resolver("asset"):
     OmegaConf.register_new_resolver("asset", asset_path)
 
 
-def _hydra_argv(argv: list[str]) -> list[str]:
+def _hydra_argv(argv: list[str], stage: str) -> list[str]:
     """Translate the public `recipe=NAME` into Hydra's group syntax and put recipes/ on the search path.
 
     Hydra maps a config group to a folder of the same name; ours is `recipes/`, chosen as `recipe=NAME` on the
-    command line, which reads better. Everything else passes through untouched.
+    command line, which reads better. The job is named after the stage (Hydra would name it after this module,
+    so every stage's log would be `config.log`). Everything else passes through untouched.
     """
-    out = [f"hydra.searchpath=[file://{REPO_ROOT}]"]
+    out = [f"hydra.searchpath=[file://{REPO_ROOT}]", f"hydra.job.name={stage}"]
     for arg in argv:
         if arg.startswith("recipe="):
             name = arg.split("=", 1)[1]
@@ -63,7 +64,7 @@ def stage_main(config_name: str) -> Callable[[Callable[[DictConfig], object]], C
             if not CONF_DIR.is_dir():
                 sys.exit(f"error: {CONF_DIR} not found; install specgen from a clone with `pip install -e .`")
             try:
-                sys.argv = [sys.argv[0], *_hydra_argv(sys.argv[1:])]
+                sys.argv = [sys.argv[0], *_hydra_argv(sys.argv[1:], config_name)]
             except SpecgenError as err:
                 sys.exit(f"error: {err}")
             task()
@@ -79,7 +80,7 @@ def compose(config_name: str, overrides: list[str] | tuple[str, ...] = ()) -> Di
     from hydra import initialize_config_dir
 
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        return hydra_compose(config_name, overrides=_hydra_argv(list(overrides)))
+        return hydra_compose(config_name, overrides=_hydra_argv(list(overrides), config_name))
 
 
 def to_container(cfg: DictConfig) -> dict:

@@ -201,7 +201,7 @@ def run(cfg: DictConfig) -> dict:
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     chat = ChatTemplateTokenizer(tokenizer, max_length=cfg.data.max_length, train_turns=cfg.data.train_turns,
                                  mask_empty_think=cfg.data.mask_empty_think,
-                                 chat_template_kwargs=to_container(cfg.data.chat_template_kwargs))
+                                 chat_template_kwargs=to_container(cfg.data)["chat_template_kwargs"])
     target = load_capture(cfg, tokenizer, device)
     identity = dataset_identity(cfg, config_hash(target.capture.model), chat_template_sha256(tokenizer))
 

@@ -47,6 +47,6 @@ def claim_output_dir(out_dir: Path, identity: dict, *, overwrite: bool) -> bool:
 
 def _clear(out_dir: Path) -> None:
     for path in out_dir.iterdir():
-        if path.name.startswith((".", "generate.log")):
+        if path.name.startswith(".") or path.suffix == ".log":  # the running job's own log is open
             continue
         shutil.rmtree(path) if path.is_dir() else path.unlink()

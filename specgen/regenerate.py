@@ -51,7 +51,7 @@ def unit_seed(seed: int, unit: int) -> int:
 
 def template_kwargs(cfg: DictConfig, tokenizer) -> dict:
     """data.chat_template_kwargs, with `enable_thinking` set from regenerate.thinking when that is not null."""
-    kwargs = to_container(cfg.data.chat_template_kwargs)
+    kwargs = to_container(cfg.data)["chat_template_kwargs"] or {}
     thinking = cfg.regenerate.thinking
     if thinking is None:
         return kwargs
@@ -158,6 +158,7 @@ def finish(cfg: DictConfig, out_dir: Path, units: list[int], model, identity: di
 
 def print_summary(manifest: dict, out_dir: Path, new_tokens: int, rows: int, seconds: float) -> None:
     stats, generation = manifest["stats"], manifest["generation"]
+    template_overrides = ",".join(f"{key}:{json.dumps(value)}" for key, value in generation["chat_template_kwargs"].items())
 
     def table(counts: dict) -> str:
         return f"{sum(counts.values()):,}" + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(counts.items()))}; "
@@ -177,7 +178,8 @@ def print_summary(manifest: dict, out_dir: Path, new_tokens: int, rows: int, sec
         ("throughput", f"{new_tokens / max(seconds, 1e-9):,.0f} new tokens/s, {rows / max(seconds, 1e-9):,.2f} "
                        f"rows/s in this process ({seconds:.1f}s)" if new_tokens else
                        "nothing left to generate: every part was already finished"),
-        ("next", f"python -m specgen.generate model.path={manifest['model']['path']} data.path={out_dir}"),
+        ("next", " ".join([f"python -m specgen.generate model.path={manifest['model']['path']} data.path={out_dir}",
+                           *([f"'data.chat_template_kwargs={{{template_overrides}}}'"] if template_overrides else [])])),
     ]))
 
 
@@ -186,6 +188,12 @@ def run(cfg: DictConfig) -> dict | None:
     if not Path(cfg.model.path).is_dir():
         raise SpecgenError(f"model.path={cfg.model.path} is not a folder; point it at a local Hugging Face model "
                            "folder (config.json + weights)")
+    # A wrong data.path fails here, before the model loads and the output directory is claimed.
+    records = iter_records(cfg.data.path)
+    total = count_records(cfg.data.path)
+    if cfg.data.max_rows is not None:
+        records = itertools.islice(records, cfg.data.max_rows)
+        total = min(total, cfg.data.max_rows) if total is not None else cfg.data.max_rows
     workers = init_workers(cfg.runtime.device)
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     model = load_target(cfg.model.path, dtype=cfg.model.dtype, device=str(workers.device),
@@ -202,11 +210,6 @@ def run(cfg: DictConfig) -> dict | None:
     workers.barrier()  # the others start once the directory is claimed (and cleared on overwrite)
     done = finished_parts(out_dir)
 
-    records = iter_records(cfg.data.path)
-    total = count_records(cfg.data.path)
-    if cfg.data.max_rows is not None:
-        records = itertools.islice(records, cfg.data.max_rows)
-        total = min(total, cfg.data.max_rows) if total is not None else cfg.data.max_rows
     progress = Progress(owned_rows(total, cfg.output.shard_size, workers), desc="regenerate",
                         enabled=cfg.runtime.progress and workers.is_main)
     units, new_tokens, rows = [], 0, 0

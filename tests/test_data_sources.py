@@ -156,3 +156,15 @@ def test_folder_of_part_files_reads_as_one_source(tmp_path):
     assert [r.record["id"] if r.record else None for r in records] == ["a", "b", "c", None, "d", "e"]
     assert records[3].error.reason == "invalid_json" and "part-00001.jsonl line 2" in records[3].error.message
     assert count_records(folder) == 6
+
+
+def test_folder_with_a_parts_manifest_reads_only_the_listed_parts(tmp_path):
+    folder = tmp_path / "regenerated"
+    folder.mkdir()
+    (folder / "part-00000.jsonl").write_text('{"id": "a"}\n')
+    (folder / "part-00000.json").write_text('{"stats": {"rows": 1}}')  # a sidecar, not data
+    (folder / "part-00001.jsonl").write_text('{"id": "b"}\n')
+    (folder / "rejected.jsonl").write_text('{"source_index": 3, "reason": "invalid_json"}\n')
+    (folder / "manifest.json").write_text(json.dumps({"parts": ["part-00000.jsonl", "part-00001.jsonl"]}))
+    assert [r.record["id"] for r in iter_records(folder)] == ["a", "b"]
+    assert count_records(folder) == 2

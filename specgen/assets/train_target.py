@@ -3,8 +3,10 @@
 A randomly initialised target makes every acceptance-length number meaningless: its greedy output is noise that no
 draft can predict, or a constant that any draft predicts. This script gives the demo a target that has actually
 learned the corpus: a Llama-architecture model (8 layers, so the default EAGLE-3 aux layers [1, 3, 4] are valid,
-hidden 128, the bundled 2048-token BPE tokenizer) trained as a plain causal LM on the rendered conversations of
-`chat/train.jsonl`. `chat/heldout.jsonl` is never seen here; the demo evaluates the draft on it.
+hidden 128, the bundled 2048-token BPE tokenizer) trained as a chat model on `chat/train.jsonl`: the whole
+conversation is its context, the assistant replies (the data stage's loss mask) are its targets, so it learns to
+answer and to end its turn rather than to imitate role headers. `chat/heldout.jsonl` is never seen here; the demo
+evaluates the draft on it.
 
 Run: python -m specgen.assets.train_target [--epochs 4] [--threads 2]
 Writes tiny-target/ (config.json, generation_config.json, bf16 model.safetensors of ~4 MB, tokenizer files).
@@ -22,6 +24,7 @@ import transformers
 
 from specgen.assets import ASSETS_DIR
 from specgen.data.prepare import prepare_rows
+from specgen.data.sample import TokenizedSample
 from specgen.data.sources import iter_records
 from specgen.data.template import ChatTemplateTokenizer
 
@@ -40,33 +43,36 @@ def target_config(tokenizer) -> transformers.LlamaConfig:
     )
 
 
-def tokenized_corpus(tokenizer) -> list[list[int]]:
-    """The training conversations rendered with the chat template, as token ids (the whole text is trained)."""
+def tokenized_corpus(tokenizer) -> list[TokenizedSample]:
+    """The training conversations rendered with the chat template, with the assistant-token loss mask."""
     chat = ChatTemplateTokenizer(tokenizer, max_length=MAX_LENGTH)
-    return [sample.input_ids for row in prepare_rows(iter_records(TRAIN_DATA), chat) for sample in row.samples]
+    return [sample for row in prepare_rows(iter_records(TRAIN_DATA), chat) for sample in row.samples]
 
 
-def batches(sequences: list[list[int]], batch_tokens: int, rng: random.Random) -> list[list[list[int]]]:
+def batches(samples: list[TokenizedSample], batch_tokens: int,
+            rng: random.Random) -> list[list[TokenizedSample]]:
     """Length-sorted batches of about `batch_tokens` padded tokens, in a shuffled order."""
-    ordered = sorted(sequences, key=len)
+    ordered = sorted(samples, key=len)
     out, current = [], []
-    for seq in ordered:
-        if current and (len(current) + 1) * len(seq) > batch_tokens:
+    for sample in ordered:
+        if current and (len(current) + 1) * len(sample) > batch_tokens:
             out.append(current)
             current = []
-        current.append(seq)
+        current.append(sample)
     out.append(current)
     rng.shuffle(out)
     return out
 
 
-def collate(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = max(len(seq) for seq in batch)
+def collate(batch: list[TokenizedSample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input ids, and labels that are the ids on assistant tokens and -100 (no loss) elsewhere."""
+    longest = max(len(sample) for sample in batch)
     input_ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), longest), -100, dtype=torch.long)  # no loss on padding
-    for row, seq in enumerate(batch):
-        input_ids[row, : len(seq)] = torch.tensor(seq)
-        labels[row, : len(seq)] = torch.tensor(seq)
+    labels = torch.full((len(batch), longest), -100, dtype=torch.long)
+    for row, sample in enumerate(batch):
+        ids = torch.tensor(sample.input_ids)
+        input_ids[row, : len(ids)] = ids
+        labels[row, : len(ids)] = torch.where(torch.tensor(sample.loss_mask).bool(), ids, -100)
     return input_ids, labels
 
 
@@ -93,7 +99,8 @@ def main() -> None:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (
         1 + math.cos(math.pi * min(step, total_steps) / total_steps)))
     print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(corpus)} conversations, "
-          f"{sum(map(len, corpus)):,} tokens/epoch, {total_steps} steps")
+          f"{sum(map(len, corpus)):,} tokens/epoch ({sum(s.num_trainable for s in corpus):,} trained), "
+          f"{total_steps} steps")
 
     start, step = time.time(), 0
     model.train()

@@ -55,6 +55,16 @@ def _file_records(path: Path, kind: str, chunk_size: int) -> Iterator[SourceReco
 
 
 def _folder_files(path: Path) -> list[Path]:
+    """The data files of a folder source, in read order.
+
+    A folder with a `manifest.json` listing `parts` (what `specgen.regenerate` writes) is read exactly as listed, so
+    its sidecars, manifest and rejected rows are not taken for data; otherwise every data file, in name order.
+    """
+    manifest = path / "manifest.json"
+    if manifest.exists():
+        parts = json.loads(manifest.read_text()).get("parts")
+        if parts is not None:
+            return [path / name for name in parts]
     return sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower().lstrip(".") in FILE_KINDS)
 
 

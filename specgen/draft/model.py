@@ -167,15 +167,15 @@ class DraftAttention(nn.Module):
         query_index = torch.arange(q_start, base_length, device=q.device)[:, None]
         key_index = torch.arange(base_length, device=q.device)[None, :]
         scores = scores.masked_fill(key_index > query_index, float("-inf"))
-        chain_values = []
-        for chain_keys, chain_vals in kv.chain:
-            diagonal = (q * _repeat_kv(chain_keys, repeat)).sum(-1, keepdim=True) * scale  # [B, H, n, 1]
+        if kv.chain:
+            chain_keys = torch.stack([_repeat_kv(k, repeat) for k, _ in kv.chain], dim=-2)  # [B, H, n, steps, d]
+            chain_values = torch.stack([_repeat_kv(v, repeat) for _, v in kv.chain], dim=-2)
+            diagonal = (q.unsqueeze(-2) * chain_keys).sum(-1) * scale  # [B, H, n, steps]
             scores = torch.cat([scores, diagonal], dim=-1)
-            chain_values.append(_repeat_kv(chain_vals, repeat))
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs[..., :base_length], values)
-        for step, vals in enumerate(chain_values):
-            out = out + probs[..., base_length + step, None] * vals
+        if kv.chain:
+            out = out + (probs[..., base_length:].unsqueeze(-1) * chain_values).sum(-2)
         return out
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from specgen.draft.model import DraftKV, Eagle3Draft
 from specgen.draft.target_head import TargetDistribution, TargetHead
@@ -80,55 +81,80 @@ def target_positions_needed(loss_mask: torch.Tensor) -> torch.Tensor:
     return shift_left(loss_mask, 1).bool()
 
 
-@dataclass
-class StepStats:
-    """Sums for one TTT step (summed across processes before dividing, so logged metrics are global)."""
-
-    loss_sum: torch.Tensor  # sum of per-position cross-entropies over valid positions
-    valid: torch.Tensor  # positions in the loss
-    correct: torch.Tensor  # positions where the draft's argmax equals the target's
-    predicted: torch.Tensor  # positions whose predicted token is trained (the accuracy denominator)
+# Columns of the per-step statistics: sums, so they can be added over micro-steps and processes before dividing.
+STAT_LOSS_SUM, STAT_VALID, STAT_CORRECT, STAT_PREDICTED = range(4)
 
 
 @dataclass
 class TTTOutput:
-    loss: torch.Tensor  # what backward() runs on
-    steps: list[StepStats]
+    loss: torch.Tensor  # what backward() runs on: sum_j decay^j * mean cross-entropy of step j
+    stats: torch.Tensor  # [ttt_length, 4] float64: loss sum, valid positions, correct, predicted (see above)
 
 
-def ttt_forward(draft: Eagle3Draft, batch: DraftBatch, target: TargetDistribution, *, ttt_length: int,
+def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                aux_hidden_states: torch.Tensor, target: TargetDistribution, *, ttt_length: int,
                 decay: float) -> TTTOutput:
-    """Unroll the draft for `ttt_length` steps over a batch and score it against the target distribution."""
-    seq_len = batch.input_ids.shape[1]
-    positions = torch.arange(seq_len, device=batch.input_ids.device).expand(batch.input_ids.shape[0], -1)
-    hidden = draft.project(batch.aux_hidden_states)
+    """Unroll the draft for `ttt_length` steps over a right-padded batch and score it against the target."""
+    seq_len = input_ids.shape[1]
+    positions = torch.arange(seq_len, device=input_ids.device).expand(input_ids.shape[0], -1)
+    hidden = draft.project(aux_hidden_states)
     kv = DraftKV()
-    losses, steps = [], []
+    losses, stats = [], torch.zeros(ttt_length, 4, dtype=torch.float64, device=input_ids.device)
     for step in range(ttt_length):
         scored = seq_len - 1 - step  # indices whose target position i+1+step lies inside the sequence
         if scored <= 0:
-            zero = batch.loss_mask.new_zeros(())
-            losses.append(hidden.new_zeros(()))
-            steps.append(StepStats(zero.float(), zero, zero, zero))
-            continue
-        hidden = draft(shift_left(batch.input_ids, 1 + step), hidden, positions + step, kv,
-                       extend_base=step == 0)
-        log_probs = F.log_softmax(draft.logits(hidden[:, :scored]).float(), dim=-1)
-        target_probs = target.probs[:, 1 + step:]
-        target_argmax = target.argmax[:, 1 + step:]
-        predicted = predicted_token_mask(batch.loss_mask, step)[:, :scored]
-        valid = predicted & draft.t2d[target_argmax.clamp(min=0)]
-        cross_entropy = -(target_probs * log_probs).sum(-1)
-        loss_sum = (cross_entropy * valid).sum()
-        losses.append(loss_sum / valid.sum().clamp(min=1) * decay ** step)
+            break
+        hidden = draft(shift_left(input_ids, 1 + step), hidden, positions + step, kv, extend_base=step == 0)
+        # Only positions whose predicted token is trained are scored (and only they need the LM head).
+        predicted = predicted_token_mask(loss_mask, step)[:, :scored]
+        log_probs = F.log_softmax(draft.logits(hidden[:, :scored][predicted]).float(), dim=-1)  # [N, Vd]
+        target_argmax = target.argmax[:, 1 + step:][predicted]
+        in_vocab = draft.t2d[target_argmax.clamp(min=0)]
+        target_probs = target.probs[:, 1 + step:][predicted][in_vocab]
+        loss_sum = -(target_probs * log_probs[in_vocab]).sum()
+        valid = in_vocab.sum()
+        losses.append(loss_sum / valid.clamp(min=1) * decay ** step)
         with torch.no_grad():
-            correct = (draft.to_target_ids(log_probs.argmax(-1)) == target_argmax) & predicted
-            steps.append(StepStats(loss_sum.detach(), valid.sum(), correct.sum(), predicted.sum()))
-    return TTTOutput(loss=torch.stack(losses).sum(), steps=steps)
+            correct = (draft.to_target_ids(log_probs.argmax(-1)) == target_argmax).sum()
+            stats[step] = torch.stack([loss_sum.detach().double(), valid.double(), correct.double(),
+                                       predicted.sum().double()])
+    # A batch of 1-token samples scores nothing; its zero loss still touches the weights so backward() works.
+    loss = torch.stack(losses).sum() if losses else draft.fc.weight.sum() * 0
+    return TTTOutput(loss=loss, stats=stats)
 
 
-def draft_step_loss(draft: Eagle3Draft, head: TargetHead, batch: DraftBatch, *, ttt_length: int,
-                    decay: float) -> TTTOutput:
-    """The full training objective for one batch: target distribution from the LM head, then TTT."""
-    target = head.distribution(batch.last_hidden_state, target_positions_needed(batch.loss_mask))
-    return ttt_forward(draft, batch, target, ttt_length=ttt_length, decay=decay)
+def step_metrics(stats: torch.Tensor, decay: float) -> dict[str, float]:
+    """loss, loss_j and acc_j from summed statistics (accuracy: draft argmax == target argmax)."""
+    stats = stats.double().cpu()
+    metrics: dict[str, float] = {}
+    losses = stats[:, STAT_LOSS_SUM] / stats[:, STAT_VALID].clamp(min=1)
+    accuracies = stats[:, STAT_CORRECT] / stats[:, STAT_PREDICTED].clamp(min=1)
+    metrics["loss"] = float(sum(decay ** step * loss for step, loss in enumerate(losses)))
+    metrics.update({f"loss_{step}": float(loss) for step, loss in enumerate(losses)})
+    metrics.update({f"acc_{step}": float(acc) for step, acc in enumerate(accuracies)})
+    return metrics
+
+
+class TTTObjective(nn.Module):
+    """The draft and its TTT loss as one module, so DDP / DeepSpeed see one forward per micro-step.
+
+    forward(input_ids, loss_mask, aux_hidden_states, target_probs, target_argmax) -> (loss, stats).
+    """
+
+    def __init__(self, draft: Eagle3Draft, *, ttt_length: int, decay: float):
+        super().__init__()
+        self.draft = draft
+        self.ttt_length = ttt_length
+        self.decay = decay
+
+    def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: torch.Tensor,
+                target_probs: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = ttt_forward(self.draft, input_ids, loss_mask, aux_hidden_states,
+                          TargetDistribution(target_probs, target_argmax), ttt_length=self.ttt_length,
+                          decay=self.decay)
+        return out.loss, out.stats
+
+
+def batch_target(head: TargetHead, batch: DraftBatch) -> TargetDistribution:
+    """The target distributions one batch needs (positions whose next token is trained)."""
+    return head.distribution(batch.last_hidden_state, target_positions_needed(batch.loss_mask))

@@ -27,7 +27,7 @@ def assistant_reply(text: str, *, prompt: str, split_reasoning: bool) -> dict:
     """The assistant message for a generated `text` (the stop token already removed) that followed `prompt`."""
     if not split_reasoning:
         return {"role": "assistant", "content": text}
-    if opens_reasoning(prompt):
+    if opens_reasoning(prompt) and not text.lstrip().startswith(THINK_OPEN):
         text = THINK_OPEN + text
     reasoning, closed, content = text.partition(THINK_CLOSE)
     if not closed:

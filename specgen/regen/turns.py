@@ -18,7 +18,7 @@ Rows that leave the output become `Rejection`s (row index, id, reason) for `reje
 
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from jinja2.exceptions import TemplateError
@@ -89,7 +89,7 @@ class UnitResult:
 
     rows: list[dict]
     rejections: list[Rejection]
-    stats: dict = field(default_factory=dict)
+    stats: dict
 
 
 class ConversationRegenerator:

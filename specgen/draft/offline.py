@@ -1,0 +1,33 @@
+"""Offline batches: samples read from shards (`specgen.open_shards`), batched by length, loaded by a DataLoader."""
+
+from collections.abc import Iterable
+
+from torch.utils.data import DataLoader
+
+from specgen.draft.batches import BatchPlan
+from specgen.draft.ttt import DraftBatch, collate
+from specgen.store.reader import ShardDataset
+
+
+class OfflineBatches:
+    """Length-bucketed batches of a shard dataset. Worker processes re-open the memory maps themselves."""
+
+    def __init__(self, dataset: ShardDataset, plan: BatchPlan, *, num_workers: int = 0, pin_memory: bool = False):
+        self.dataset = dataset
+        self.plan = plan
+        self.lengths = dataset.lengths()
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+
+    def batches_per_epoch(self) -> int:
+        return len(self.plan.epoch(self.lengths, 0))
+
+    def epoch(self, epoch: int, skip: int = 0) -> Iterable[DraftBatch]:
+        """The batches of `epoch`, leaving out the first `skip` (already trained before a resume)."""
+        batches = self.plan.epoch(self.lengths, epoch)[skip:]
+        if not batches:
+            return []
+        return DataLoader(self.dataset, batch_sampler=batches, collate_fn=collate, num_workers=self.num_workers,
+                          pin_memory=self.pin_memory, persistent_workers=False,
+                          prefetch_factor=4 if self.num_workers else None)
+

@@ -1,0 +1,136 @@
+"""Greedy speculative decoding with an EAGLE-3 draft, to measure acceptance length and check losslessness.
+
+One round, after the target has verified everything up to position p and chosen the next token x[p+1]:
+  1. the draft adds base entries for the newly verified positions (target aux hidden state at m, token x[m+1]);
+  2. it drafts K tokens as a chain from position p (step j reads its own previous output, like TTT step j);
+  3. the target consumes x[p+1] and the K draft tokens in one forward; the longest prefix of draft tokens that
+     equals the target's own greedy choices is accepted, plus the target's token after it (the bonus token).
+So every round emits between 1 and K+1 tokens, all of them the target's greedy choices: the output must equal
+plain greedy decoding of the target (`greedy_generate`), which the evaluation checks.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from transformers import DynamicCache
+
+from specgen.draft.model import DraftKV, Eagle3Draft
+from specgen.errors import SpecgenError
+
+
+class TargetRunner:
+    """The target with a KV cache; each forward also returns the outputs of the aux decoder layers."""
+
+    def __init__(self, model: transformers.PreTrainedModel, aux_layers: list[int]):
+        self.model = model
+        layers = getattr(model.get_decoder(), "layers", None)
+        if layers is None:
+            raise SpecgenError(f"{type(model).__name__} exposes no decoder `layers`; speculative evaluation "
+                               "supports decoder-only models with model.model.layers (Llama, Qwen, Mistral, ...)")
+        self._outputs: dict[int, torch.Tensor] = {}
+        self.aux_layers = list(aux_layers)
+        for layer in self.aux_layers:
+            layers[layer].register_forward_hook(self._keeper(layer))
+
+    def _keeper(self, layer: int):
+        def keep(module, args, output):
+            self._outputs[layer] = output[0] if isinstance(output, tuple) else output
+        return keep
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int], cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Consume `token_ids` after what `cache` holds: (logits [n, V] float32, aux hidden states [n, k*H])."""
+        input_ids = torch.tensor([token_ids], device=self.device)
+        logits = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[0].float()
+        aux = torch.cat([self._outputs[layer][0] for layer in self.aux_layers], dim=-1)
+        return logits, aux
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # generated tokens (prompt excluded), cut after the first end-of-sequence token
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted in each verification round
+    rounds_emitted: list[int] = field(default_factory=list)  # tokens emitted by each round (after the cut)
+    seconds: float = 0.0
+
+    @property
+    def verification_rounds(self) -> int:
+        return len(self.accepted)
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], bool]:
+    """Cut after the first EOS or at max_new_tokens; True when generation is over."""
+    for index, token in enumerate(tokens[:max_new_tokens]):
+        if token in eos_ids:
+            return tokens[: index + 1], True
+    return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
+
+
+@torch.inference_mode()
+def greedy_generate(target: TargetRunner, prompt_ids: list[int], *, max_new_tokens: int,
+                    eos_ids: set[int]) -> Generation:
+    """Plain greedy decoding of the target, one token per forward: the reference output."""
+    start = time.perf_counter()
+    cache = DynamicCache()
+    logits, _ = target.forward(prompt_ids, cache)
+    tokens = [int(logits[-1].argmax())]
+    done = tokens[0] in eos_ids or max_new_tokens <= 1
+    while not done:
+        logits, _ = target.forward(tokens[-1:], cache)
+        tokens.append(int(logits[-1].argmax()))
+        tokens, done = _finish(tokens, max_new_tokens, eos_ids)
+    return Generation(tokens=tokens[:max_new_tokens], seconds=time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def speculative_generate(target: TargetRunner, draft: Eagle3Draft, prompt_ids: list[int], *, num_draft_tokens: int,
+                         max_new_tokens: int, eos_ids: set[int]) -> Generation:
+    """Greedy speculative decoding with a chain of `num_draft_tokens` draft tokens per round."""
+    if num_draft_tokens < 1:
+        raise SpecgenError(f"eval.num_draft_tokens must be at least 1, got {num_draft_tokens}")
+    start = time.perf_counter()
+    device = next(draft.parameters()).device
+    cache, kv = DynamicCache(), DraftKV()
+    logits, aux = target.forward(prompt_ids, cache)
+    result = Generation(tokens=[int(logits[-1].argmax())])
+    # Base entries still to add to the draft: (target aux hidden state at m, token at m+1) for verified m.
+    pending_aux, pending_tokens = aux, prompt_ids[1:] + result.tokens
+    done = result.tokens[0] in eos_ids or max_new_tokens <= 1
+    while not done:
+        first_position = kv.base_length
+        positions = torch.arange(first_position, first_position + len(pending_tokens), device=device)[None]
+        hidden = draft(torch.tensor([pending_tokens], device=device), draft.project(pending_aux.to(device))[None],
+                       positions, kv, extend_base=True)[:, -1:]
+        last_position = kv.base_length - 1
+        drafted = []
+        for step in range(num_draft_tokens):
+            if step > 0:
+                hidden = draft(torch.tensor([[drafted[-1]]], device=device), hidden,
+                               torch.tensor([[last_position + step]], device=device), kv, extend_base=False)
+            drafted.append(int(draft.to_target_ids(draft.logits(hidden)[0, -1].argmax())))
+        kv.drop_chain()
+
+        verified_length = kv.base_length + 1  # tokens in the target cache once result.tokens[-1] is consumed
+        logits, aux = target.forward([result.tokens[-1]] + drafted, cache)
+        greedy = logits.argmax(-1).tolist()
+        accepted = 0
+        while accepted < num_draft_tokens and drafted[accepted] == greedy[accepted]:
+            accepted += 1
+        emitted = drafted[:accepted] + [greedy[accepted]]
+        rejected = cache.get_seq_length() - (verified_length + accepted)  # keep x[p+1] and the accepted drafts
+        if rejected:
+            cache.crop(-rejected)  # a negative count removes that many tokens (transformers 4.x and 5.x alike)
+        pending_aux, pending_tokens = aux[: accepted + 1], emitted
+
+        before = len(result.tokens)
+        result.tokens, done = _finish(result.tokens + emitted, max_new_tokens, eos_ids)
+        result.accepted.append(accepted)
+        result.rounds_emitted.append(len(result.tokens) - before)
+    result.seconds = time.perf_counter() - start
+    return result

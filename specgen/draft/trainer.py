@@ -1,0 +1,204 @@
+"""The training loop shared by offline and online training: batches in, TTT loss, optimizer steps, metrics, saves.
+
+One optimizer step = `grad_accum` micro-steps, each one batch of this process. The loop's position (optimizer
+step, epoch, batches of the epoch already trained) is saved with every checkpoint; batch plans are deterministic
+(`specgen.draft.batches`), so a resumed run continues with exactly the batches the interrupted run would have used.
+"""
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from tqdm.auto import tqdm
+
+from specgen.draft.distributed import Backend
+from specgen.draft.target_head import TargetHead
+from specgen.draft.ttt import DraftBatch, batch_target, step_metrics
+
+log = logging.getLogger("specgen.train")
+
+METRICS = "metrics.jsonl"
+STATE = "trainer_state.json"
+
+
+class BatchSource(Protocol):
+    """Offline (`OfflineBatches`) or online (`OnlineBatches`) batches of this process."""
+
+    def batches_per_epoch(self) -> int: ...
+
+    def epoch(self, epoch: int, skip: int = 0) -> Iterable[DraftBatch]: ...
+
+
+@dataclass
+class LoopSettings:
+    total_steps: int  # optimizer steps to reach
+    grad_accum: int
+    ttt_decay: float
+    log_every: int
+    save_every: int | None  # None: save at the end only
+    autocast_dtype: torch.dtype | None  # bf16 mixed precision on GPU, None for full precision
+
+
+@dataclass
+class TrainerState:
+    """Where the loop is; saved beside the optimizer state."""
+
+    step: int = 0
+    epoch: int = 0
+    batches_done: int = 0  # batches of `epoch` already trained
+    tokens_seen: int = 0  # real (unpadded) tokens, all processes
+
+    def save(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / (STATE + ".tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        tmp.replace(folder / STATE)
+
+    @classmethod
+    def load(cls, folder: Path) -> "TrainerState":
+        return cls(**json.loads((folder / STATE).read_text()))
+
+
+def cosine_schedule(total_steps: int, warmup_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
+    """LR multiplier: linear warmup to 1, then cosine decay to `min_lr_ratio` at `total_steps`."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+@dataclass
+class _Window:
+    """Statistics accumulated since the last log line."""
+
+    stats: torch.Tensor | None = None
+    tokens: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+
+class DraftTrainer:
+    """Runs the loop. `save_checkpoint(state)` writes the draft (main process) and `backend.save` the optimizer."""
+
+    def __init__(self, *, backend: Backend, head: TargetHead, source: BatchSource, settings: LoopSettings,
+                 out_dir: Path, save_draft: Callable[[TrainerState], None], is_main: bool,
+                 log_tracker: Callable[[dict, int], None] | None = None, progress: bool = True):
+        self.backend = backend
+        self.head = head
+        self.source = source
+        self.settings = settings
+        self.out_dir = out_dir
+        self.save_draft = save_draft
+        self.is_main = is_main
+        self.log_tracker = log_tracker
+        self.progress = progress
+        self.state = TrainerState()
+
+    @property
+    def state_dir(self) -> Path:
+        return self.out_dir / "training_state"
+
+    def resume(self) -> None:
+        """Continue from the checkpoint in out_dir (weights are loaded by the caller before wrapping)."""
+        self.state = TrainerState.load(self.state_dir)
+        self.backend.load(self.state_dir)
+        if self.is_main:
+            _truncate_metrics(self.out_dir / METRICS, self.state.step)
+        log.info("resumed at step %d (epoch %d, %d batches into it)", self.state.step, self.state.epoch,
+                 self.state.batches_done)
+
+    def fit(self) -> dict:
+        settings, state = self.settings, self.state
+        bar = tqdm(total=settings.total_steps, initial=state.step, desc="train", unit="step",
+                   disable=not (self.is_main and self.progress), dynamic_ncols=True)
+        window, micro, last_metrics = _Window(), 0, {}
+        while state.step < settings.total_steps:
+            for batch in self.source.epoch(state.epoch, skip=state.batches_done):
+                micro += 1
+                boundary = micro % settings.grad_accum == 0
+                stats = self.train_batch(batch, boundary=boundary)
+                state.batches_done += 1
+                window.stats = stats if window.stats is None else window.stats + stats
+                window.tokens += batch.num_tokens
+                if not boundary:
+                    continue
+                state.step += 1
+                bar.update(1)
+                saving = bool(settings.save_every) and state.step % settings.save_every == 0
+                # A checkpoint always follows a log line, so the saved token count includes every trained batch.
+                if saving or state.step % settings.log_every == 0 or state.step == settings.total_steps:
+                    last_metrics = self._log(window)
+                    bar.set_postfix_str(f"loss {last_metrics['loss']:.3f} acc_0 {last_metrics['acc_0']:.3f}")
+                    window = _Window()
+                if saving:
+                    self.checkpoint()
+                if state.step >= settings.total_steps:
+                    break
+            else:  # the epoch ran out before the last step
+                state.epoch += 1
+                state.batches_done = 0
+        bar.close()
+        if not (settings.save_every and state.step % settings.save_every == 0):
+            self.checkpoint()
+        return last_metrics
+
+    def train_batch(self, batch: DraftBatch, boundary: bool = True) -> torch.Tensor:
+        """One micro-step: target distribution, TTT forward and backward; an optimizer update at a `boundary`
+        (the end of a gradient accumulation). Returns the step statistics (see `specgen.draft.ttt`)."""
+        batch = batch.to(self.backend.device)
+        target = batch_target(self.head, batch)
+        autocast = (torch.autocast(self.backend.device.type, dtype=self.settings.autocast_dtype)
+                    if self.settings.autocast_dtype is not None else nullcontext())
+        with autocast:
+            loss, stats = self.backend.forward(batch.input_ids, batch.loss_mask, batch.aux_hidden_states,
+                                               target.probs, target.argmax, sync=boundary)
+        self.backend.backward(loss)
+        self.backend.update(boundary=boundary)
+        return stats.detach()
+
+    def _log(self, window: _Window) -> dict:
+        totals = self.backend.all_reduce_sum(torch.cat([window.stats.flatten(),
+                                                        torch.tensor([float(window.tokens)], dtype=torch.float64,
+                                                                     device=window.stats.device)]))
+        tokens = int(totals[-1])
+        self.state.tokens_seen += tokens
+        seconds = time.perf_counter() - window.start
+        metrics = {"step": self.state.step, "epoch": self.state.epoch,
+                   **step_metrics(totals[:-1].view(window.stats.shape), self.settings.ttt_decay),
+                   "lr": self.backend.learning_rate(), "tokens_per_s": tokens / max(seconds, 1e-9),
+                   "tokens_seen": self.state.tokens_seen}
+        if self.is_main:
+            with open(self.out_dir / METRICS, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            if self.log_tracker is not None:
+                self.log_tracker({k: v for k, v in metrics.items() if k != "step"}, self.state.step)
+        return metrics
+
+    def checkpoint(self) -> None:
+        """Draft weights + config (main), optimizer/scheduler (all processes), then the loop state (main) last:
+        the state file names a step only once everything of that step is on disk."""
+        if self.is_main:
+            self.save_draft(self.state)
+        self.backend.save(self.state_dir)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        if self.is_main:
+            self.state.save(self.state_dir)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines logged after `step` by the interrupted run (they will be logged again)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))

@@ -1,0 +1,208 @@
+"""`python -m specgen.evaluate draft.path=CKPT`: acceptance length of a draft, and a losslessness check.
+
+For every prompt turn the target decodes greedily twice: alone (the reference) and speculatively with the draft
+(`specgen.draft.speculative`). Acceptance length = tokens emitted per target verification round, the bonus token
+included, so 1.0 means the draft never helped and K+1 is the ceiling. Multi-turn prompts build their history from
+the reference answers, so both decodings of a turn always see the same prompt.
+
+Writes output.dir/eval.json (overall and per-category acceptance, accepted-token histogram, tokens/s of both
+decodings, matches_target_greedy) and output.dir/samples.jsonl (one line per prompt turn).
+"""
+
+import json
+import logging
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from specgen.capture.target import load_target
+from specgen.config import stage_main
+from specgen.data.formats import Conversation, normalize, record_id
+from specgen.data.sources import iter_records
+from specgen.draft.checkpoint import load_draft, read_draft_config, specgen_info
+from specgen.draft.speculative import Generation, TargetRunner, greedy_generate, speculative_generate
+from specgen.errors import RowError, SpecgenError
+from specgen.generate import load_tokenizer, resolve_device
+from specgen.progress import format_table
+
+log = logging.getLogger("specgen.evaluate")
+
+TURNS = ("all", "first")
+
+
+@dataclass
+class Prompt:
+    id: str
+    category: str
+    system: str | None
+    user_turns: list[str]
+
+
+def read_prompts(path: str, max_prompts: int | None = None) -> Iterator[Prompt]:
+    """Prompts from MT-Bench style rows ({"turns": [...], "category"}) or from conversations (their user turns)."""
+    count = 0
+    for source in iter_records(path):
+        if max_prompts is not None and count >= max_prompts:
+            return
+        record = source.record
+        if record is None:
+            log.warning("skipping row %d of %s: %s", source.index, path, source.error)
+            continue
+        prompt_id = record_id(record) or f"row-{source.index}"
+        category = str(record.get("category", "all"))
+        if "turns" in record:
+            turns = record["turns"]
+            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+                log.warning("skipping row %d of %s: 'turns' must be a non-empty list of strings", source.index, path)
+                continue
+            yield Prompt(prompt_id, category, None, list(turns))
+        else:
+            try:
+                conversation = normalize(record)
+            except RowError as error:
+                log.warning("skipping row %d of %s: %s", source.index, path, error.message)
+                continue
+            if not isinstance(conversation, Conversation):
+                log.warning("skipping row %d of %s: pre-tokenized rows hold no prompt text", source.index, path)
+                continue
+            messages = conversation.messages
+            system = messages[0]["content"] if messages[0]["role"] == "system" else None
+            yield Prompt(prompt_id, category, system, [m["content"] for m in messages if m["role"] == "user"])
+        count += 1
+
+
+def _eos_ids(tokenizer, model) -> set[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    return ids
+
+
+def run(cfg: DictConfig) -> dict:
+    if cfg.draft.path is None:
+        raise SpecgenError("pass draft.path=CKPT: the output.dir of specgen.train")
+    if cfg.eval.turns not in TURNS:
+        raise SpecgenError(f"eval.turns must be one of {list(TURNS)}, got {cfg.eval.turns!r}")
+    info = specgen_info(read_draft_config(cfg.draft.path))
+    target_path = cfg.model.path or info.get("target", {}).get("path")
+    if target_path is None:
+        raise SpecgenError(f"the draft at {cfg.draft.path} does not record its target: pass model.path=TARGET")
+    device = resolve_device(cfg.runtime.device)
+    model = load_target(target_path, dtype=cfg.model.dtype, device=str(device),
+                        attn_implementation=cfg.model.attn_implementation)
+    embedding = model.get_input_embeddings().weight.detach().float()
+    draft = load_draft(cfg.draft.path, embedding=embedding).to(device).eval()
+    aux_layers = info.get("aux_layers") or draft.config.eagle_config["eagle_aux_hidden_state_layer_ids"]
+    target = TargetRunner(model, aux_layers)
+    tokenizer = load_tokenizer(cfg.tokenizer.path or target_path)
+    eos_ids = _eos_ids(tokenizer, model)
+
+    samples = []
+    for prompt in read_prompts(cfg.data.path, cfg.eval.max_prompts):
+        samples.extend(_evaluate_prompt(prompt, target, draft, tokenizer, cfg, eos_ids))
+    if not samples:
+        raise SpecgenError(f"data.path {cfg.data.path} gave no prompt to evaluate")
+    report = summarize(samples, num_draft_tokens=cfg.eval.num_draft_tokens)
+    report.update({"draft": str(Path(cfg.draft.path).resolve()), "target": str(target_path),
+                   "data": str(cfg.data.path), "max_new_tokens": cfg.eval.max_new_tokens,
+                   "target_dtype": str(model.dtype).removeprefix("torch."), "device": str(device)})
+    out_dir = Path(cfg.output.dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "eval.json").write_text(json.dumps(report, indent=2))
+    (out_dir / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    _print_report(report, out_dir)
+    return report
+
+
+def _evaluate_prompt(prompt: Prompt, target: TargetRunner, draft, tokenizer, cfg: DictConfig,
+                     eos_ids: set[int]) -> list[dict]:
+    messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
+    turns = prompt.user_turns if cfg.eval.turns == "all" else prompt.user_turns[:1]
+    results = []
+    for turn, text in enumerate(turns):
+        messages.append({"role": "user", "content": text})
+        prompt_ids = _token_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        reference = greedy_generate(target, prompt_ids, max_new_tokens=cfg.eval.max_new_tokens, eos_ids=eos_ids)
+        speculative = speculative_generate(target, draft, prompt_ids, num_draft_tokens=cfg.eval.num_draft_tokens,
+                                           max_new_tokens=cfg.eval.max_new_tokens, eos_ids=eos_ids)
+        results.append(_sample_record(prompt, turn, len(prompt_ids), reference, speculative))
+        messages.append({"role": "assistant",
+                         "content": tokenizer.decode(reference.tokens, skip_special_tokens=True)})
+    return results
+
+
+def _token_ids(encoded) -> list[int]:
+    """apply_chat_template(tokenize=True) returns a list or, in recent transformers, a BatchEncoding."""
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def _sample_record(prompt: Prompt, turn: int, prompt_tokens: int, reference: Generation,
+                   speculative: Generation) -> dict:
+    return {"id": prompt.id, "category": prompt.category, "turn": turn, "prompt_tokens": prompt_tokens,
+            "new_tokens": len(speculative.tokens), "rounds": speculative.verification_rounds,
+            "emitted_per_round": speculative.rounds_emitted, "accepted": speculative.accepted,
+            "matches_target_greedy": speculative.tokens == reference.tokens,
+            "seconds_speculative": speculative.seconds, "seconds_greedy": reference.seconds,
+            "greedy_tokens": len(reference.tokens)}
+
+
+def summarize(samples: list[dict], *, num_draft_tokens: int) -> dict:
+    """Acceptance length = emitted tokens / verification rounds, pooled over turns (overall and per category)."""
+
+    def acceptance(group: list[dict]) -> float | None:
+        rounds = sum(s["rounds"] for s in group)
+        return sum(sum(s["emitted_per_round"]) for s in group) / rounds if rounds else None
+
+    by_category: dict[str, list[dict]] = defaultdict(list)
+    for sample in samples:
+        by_category[sample["category"]].append(sample)
+    histogram = [0] * (num_draft_tokens + 1)
+    for sample in samples:
+        for accepted in sample["accepted"]:
+            histogram[accepted] += 1
+    speculative_seconds = sum(s["seconds_speculative"] for s in samples)
+    greedy_seconds = sum(s["seconds_greedy"] for s in samples)
+    mismatches = [f"{s['id']}#{s['turn']}" for s in samples if not s["matches_target_greedy"]]
+    return {
+        "acceptance_length": acceptance(samples),
+        "num_draft_tokens": num_draft_tokens,
+        "matches_target_greedy": not mismatches,
+        "mismatched_turns": mismatches,
+        "num_prompts": len({s["id"] for s in samples}),
+        "num_turns": len(samples),
+        "new_tokens": sum(s["new_tokens"] for s in samples),
+        "verification_rounds": sum(s["rounds"] for s in samples),
+        "accepted_histogram": histogram,
+        "per_category": {category: {"acceptance_length": acceptance(group), "turns": len(group)}
+                         for category, group in sorted(by_category.items())},
+        "tokens_per_s": {"speculative": sum(s["new_tokens"] for s in samples) / max(speculative_seconds, 1e-9),
+                         "target_greedy": sum(s["greedy_tokens"] for s in samples) / max(greedy_seconds, 1e-9)},
+    }
+
+
+def _print_report(report: dict, out_dir: Path) -> None:
+    per_category = ", ".join(f"{name} {values['acceptance_length']:.2f} ({values['turns']})"
+                             for name, values in report["per_category"].items()
+                             if values["acceptance_length"] is not None)
+    speed = report["tokens_per_s"]
+    print(format_table([
+        ("acceptance length", f"{report['acceptance_length']:.3f} tokens per verification "
+                              f"(K={report['num_draft_tokens']}, ceiling {report['num_draft_tokens'] + 1})"),
+        ("per category", per_category),
+        ("accepted drafts", " ".join(f"{k}:{n}" for k, n in enumerate(report["accepted_histogram"]))),
+        ("lossless", "yes: identical to the target's greedy output" if report["matches_target_greedy"] else
+                     f"NO: {len(report['mismatched_turns'])} turns differ ({', '.join(report['mismatched_turns'][:5])})"),
+        ("prompts", f"{report['num_prompts']} ({report['num_turns']} turns, {report['new_tokens']:,} tokens)"),
+        ("tokens/s", f"speculative {speed['speculative']:,.1f}, target greedy {speed['target_greedy']:,.1f}"),
+        ("report", str(out_dir / "eval.json")),
+    ]))
+
+
+main = stage_main("evaluate")(run)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""`python -m specgen.train`: train an EAGLE-3 draft, offline from shards or online with the target in the loop.
+
+    python -m specgen.train data.shards=SHARDS output.dir=CKPT [train.max_steps=N ...]
+    python -m specgen.train mode=online model.path=TARGET data.path=CONVERSATIONS output.dir=CKPT
+    accelerate launch --multi_gpu --num_processes 2 -m specgen.train ... [distributed=zero2]
+
+Read top to bottom: join the process group, open the data (which fixes the target, its aux layers and the
+trained-token counts), build the vocabulary mapping and the draft, wrap it for the distributed backend, run the
+loop. output.dir receives config.json + model.safetensors (servable by vLLM/SGLang), metrics.jsonl, TensorBoard
+logs and training_state/ (for train.resume=true).
+"""
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import transformers
+from omegaconf import DictConfig
+
+from specgen.capture import make_capture
+from specgen.capture.layers import default_aux_layers, validate_aux_layers
+from specgen.capture.target import config_hash, load_target
+from specgen.config import stage_main, to_container
+from specgen.data.template import ChatTemplateTokenizer
+from specgen.draft.batches import BatchPlan
+from specgen.draft.checkpoint import (
+    CONFIG,
+    WEIGHTS,
+    load_draft,
+    read_draft_config,
+    save_draft,
+    set_embedding,
+    specgen_info,
+)
+from specgen.draft.distributed import DDPBackend, DeepSpeedBackend
+from specgen.draft.model import Eagle3Draft, draft_config
+from specgen.draft.offline import OfflineBatches
+from specgen.draft.online import OnlineBatches, tokenize_source
+from specgen.draft.target_head import TargetHead, load_target_weights
+from specgen.draft.trainer import METRICS, DraftTrainer, LoopSettings, TrainerState, cosine_schedule
+from specgen.draft.ttt import TTTObjective
+from specgen.draft.vocab import (
+    TOKEN_COUNTS,
+    VocabMapping,
+    build_vocab_mapping,
+    count_trained_tokens,
+    read_token_counts,
+    write_token_counts,
+)
+from specgen.errors import SpecgenError
+from specgen.progress import format_table
+from specgen.store.reader import open_shards
+
+log = logging.getLogger("specgen.train")
+
+AUX_LAYER_CONVENTION = "0-based decoder-layer outputs (Hugging Face hidden_states[i + 1]); SGLang's convention"
+_OUTPUTS = (CONFIG, WEIGHTS, METRICS, TOKEN_COUNTS, "training_state", "tensorboard")
+
+
+@dataclass
+class TrainingData:
+    """What the data side fixes: the batches, the target they come from, and the trained-token counts."""
+
+    source: OfflineBatches | OnlineBatches
+    target_path: str
+    target_config_hash: str | None
+    aux_layers: list[int]
+    token_counts: dict[int, int]
+    embedding: torch.Tensor  # the target's input embedding (the draft's frozen token embedding)
+    lm_head: torch.Tensor  # the target's LM head weight
+    target_config: transformers.PretrainedConfig
+    description: str
+
+
+MODES = ("offline", "online")
+
+
+def run(cfg: DictConfig) -> dict:
+    if cfg.mode not in MODES:
+        raise SpecgenError(f"mode={cfg.mode!r} is unknown; use mode=offline (data.shards) or mode=online "
+                           "(model.path + data.path)")
+    accelerator = _accelerator(cfg)
+    device, is_main = accelerator.device, accelerator.is_main_process
+    out_dir = Path(cfg.output.dir)
+    resume = bool(cfg.train.resume)
+    if is_main:
+        _claim_output_dir(out_dir, resume=resume, overwrite=cfg.output.overwrite)
+    accelerator.wait_for_everyone()
+
+    plan = BatchPlan(batch_tokens=cfg.train.batch_tokens, max_batch_size=cfg.train.max_batch_size,
+                     seed=cfg.runtime.seed, rank=accelerator.process_index, world_size=accelerator.num_processes)
+    data = online_data(cfg, plan, device) if cfg.mode == "online" else offline_data(cfg, plan, device)
+    if cfg.mode == "online" and is_main:
+        write_token_counts(out_dir / TOKEN_COUNTS, data.token_counts, data.target_config.get_text_config().vocab_size)
+
+    torch.manual_seed(cfg.runtime.seed)
+    draft = build_draft(cfg, data, out_dir if resume else None).to(device)
+    objective = TTTObjective(draft, ttt_length=cfg.train.ttt_length, decay=cfg.train.ttt_decay)
+    head = TargetHead(data.lm_head.to(device), _mapping_of(draft), chunk_tokens=cfg.train.target_chunk_tokens)
+
+    steps_per_epoch = data.source.batches_per_epoch() // cfg.train.grad_accum
+    total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
+    if total_steps < 1:
+        raise SpecgenError(f"nothing to train: {data.source.batches_per_epoch()} batches per epoch on each process "
+                           f"and train.grad_accum={cfg.train.grad_accum}; lower train.batch_tokens or grad_accum")
+    optimizer = torch.optim.AdamW(draft.trainable_parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                                  weight_decay=cfg.train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(
+        cfg.train.schedule_steps or total_steps, cfg.train.warmup_steps, cfg.train.min_lr_ratio))
+    backend = make_backend(cfg, objective, optimizer, scheduler, device, accelerator.num_processes)
+
+    info = {"target": {"path": data.target_path, "config_hash": data.target_config_hash},
+            "aux_layers": data.aux_layers, "aux_layer_convention": AUX_LAYER_CONVENTION, "mode": cfg.mode,
+            "data": data.description, "ttt_length": cfg.train.ttt_length, "specgen_config": to_container(cfg)}
+
+    def save(state: TrainerState) -> None:
+        save_draft(draft, out_dir, {**info, "step": state.step, "epoch": state.epoch})
+
+    if cfg.train.tensorboard:
+        accelerator.init_trackers("tensorboard")
+    trainer = DraftTrainer(
+        backend=backend, head=head, source=data.source, out_dir=out_dir, save_draft=save, is_main=is_main,
+        settings=LoopSettings(total_steps=total_steps, grad_accum=cfg.train.grad_accum,
+                              ttt_decay=cfg.train.ttt_decay, log_every=cfg.train.log_every,
+                              save_every=cfg.train.save_every, autocast_dtype=_autocast_dtype(cfg, device)),
+        log_tracker=accelerator.log if cfg.train.tensorboard else None, progress=cfg.runtime.progress)
+    if resume:
+        trainer.resume()
+        weights_step = specgen_info(read_draft_config(out_dir)).get("step")
+        if weights_step != trainer.state.step:
+            raise SpecgenError(f"{out_dir} holds weights of step {weights_step} but training state of step "
+                               f"{trainer.state.step}: the run was killed while saving; restart without "
+                               "train.resume (output.overwrite=true) or from a copy of an intact checkpoint")
+    start = time.perf_counter()
+    metrics = trainer.fit()
+    accelerator.end_training()
+    if is_main:
+        _print_summary(out_dir, data, draft, trainer.state, metrics, time.perf_counter() - start)
+    return metrics
+
+
+def _accelerator(cfg: DictConfig):
+    """The process group (gloo on CPU, nccl on GPU) and TensorBoard tracker, via accelerate."""
+    from accelerate import Accelerator
+
+    device = cfg.runtime.device
+    use_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecgenError(f"runtime.device={device} but no CUDA device is visible; use runtime.device=cpu")
+    return Accelerator(cpu=use_cpu, log_with="tensorboard" if cfg.train.tensorboard else None,
+                       project_dir=cfg.output.dir)
+
+
+def _claim_output_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    """Resume needs a checkpoint; a fresh run refuses to replace one unless told to, and clears what a run killed
+    before its first checkpoint left behind (metrics, logs)."""
+    if (out_dir / "manifest.json").exists():
+        raise SpecgenError(f"output.dir {out_dir} holds a generated dataset (manifest.json); give the draft "
+                           "checkpoint its own output.dir")
+    state = out_dir / "training_state"
+    if resume:
+        if not state.is_dir():
+            raise SpecgenError(f"train.resume=true but {out_dir} holds no training_state/ to resume from; "
+                               "drop train.resume or point output.dir at an earlier run's output.dir")
+        return
+    if ((out_dir / WEIGHTS).exists() or state.exists()) and not overwrite:
+        raise SpecgenError(f"{out_dir} already holds a draft checkpoint; pass train.resume=true to continue "
+                           "it, output.overwrite=true to replace it, or another output.dir")
+    for name in _OUTPUTS:
+        path = out_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def offline_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> TrainingData:
+    """Shards of `data.shards`; the target (LM head + embedding only) is the manifest's unless model.path is set."""
+    if cfg.data.shards is None:
+        raise SpecgenError("offline training needs data.shards=DIR (a specgen.generate output.dir), or mode=online "
+                           "with model.path and data.path")
+    dataset = open_shards(cfg.data.shards)
+    manifest = dataset.manifest
+    if manifest is None:
+        raise SpecgenError(f"{cfg.data.shards} has no manifest.json: the generate run did not finish; re-run it "
+                           "with the same output.dir to complete it")
+    recorded_path = manifest["model"]["path"]
+    target_path = cfg.model.path or recorded_path
+    weights = load_target_weights(target_path, device="cpu")
+    text = weights.config.get_text_config()
+    recorded_hash = manifest["model"].get("config_hash")
+    if cfg.model.path and recorded_hash and config_hash(SimpleNamespace(config=weights.config)) != recorded_hash:
+        log.warning("model.path=%s has a config that differs from the one the shards were made with (%s)",
+                    target_path, recorded_path)
+    if manifest["hidden_size"] != text.hidden_size:
+        raise SpecgenError(f"the shards hold hidden states of size {manifest['hidden_size']} but the target at "
+                           f"{target_path} has hidden_size {text.hidden_size}: point model.path at the shards' target")
+    counts_path = Path(cfg.data.shards) / TOKEN_COUNTS
+    if counts_path.exists():
+        counts, _ = read_token_counts(counts_path)
+    else:
+        counts = count_trained_tokens((dataset[i]["input_ids"].tolist(), dataset[i]["loss_mask"].tolist())
+                                      for i in range(len(dataset)))
+    source = OfflineBatches(dataset, plan, num_workers=cfg.train.num_workers, pin_memory=device.type == "cuda")
+    return TrainingData(source=source, target_path=str(target_path), target_config_hash=recorded_hash,
+                        aux_layers=list(manifest["capture"]["aux_layers"]), token_counts=counts,
+                        embedding=weights.embedding, lm_head=weights.lm_head, target_config=weights.config,
+                        description=f"shards {Path(cfg.data.shards).resolve()} ({len(dataset)} samples)")
+
+
+def online_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> TrainingData:
+    """Conversations of `data.path`, tokenized up front, captured by the target (model.path) batch by batch."""
+    from specgen.generate import load_tokenizer
+
+    if cfg.model.path is None:
+        raise SpecgenError("mode=online runs the target in the loop: pass model.path=TARGET (and data.path=DATA)")
+    tokenizer = load_tokenizer(cfg.tokenizer.path)
+    chat = ChatTemplateTokenizer(tokenizer, max_length=cfg.data.max_length, train_turns=cfg.data.train_turns,
+                                 mask_empty_think=cfg.data.mask_empty_think,
+                                 chat_template_kwargs=to_container(cfg.data.chat_template_kwargs))
+    samples = tokenize_source(cfg.data.path, chat, max_rows=cfg.data.max_rows, on_bad_row=cfg.data.on_bad_row)
+    model = load_target(cfg.model.path, dtype=cfg.model.dtype, device=str(device),
+                        attn_implementation=cfg.model.attn_implementation)
+    num_layers = model.config.get_text_config().num_hidden_layers
+    requested = cfg.capture.aux_layers
+    aux_layers = default_aux_layers(num_layers) if requested is None else validate_aux_layers(list(requested),
+                                                                                              num_layers)
+    capture = make_capture(model, aux_layers)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    counts = count_trained_tokens((sample.input_ids, sample.loss_mask) for sample in samples)
+    return TrainingData(source=OnlineBatches(samples, capture, plan, pad_id=pad_id),
+                        target_path=str(Path(cfg.model.path).resolve()), target_config_hash=config_hash(model),
+                        aux_layers=list(capture.aux_layers), token_counts=dict(counts),
+                        embedding=model.get_input_embeddings().weight.detach(),
+                        lm_head=capture.lm_head.weight.detach(), target_config=model.config,
+                        description=f"online {Path(cfg.data.path).resolve()} ({len(samples)} samples)")
+
+
+def build_draft(cfg: DictConfig, data: TrainingData, resume_from: Path | None) -> Eagle3Draft:
+    """A fresh draft, or the weights and vocabulary of `draft.init` (fine-tuning) or of the run being resumed."""
+    start_from = resume_from or cfg.draft.init
+    if start_from is not None:
+        draft = load_draft(start_from, embedding=data.embedding)
+        recorded = specgen_info(read_draft_config(start_from)).get("aux_layers")
+        if recorded is not None and list(recorded) != data.aux_layers:
+            raise SpecgenError(f"the draft at {start_from} reads aux layers {recorded} but the data has "
+                               f"{data.aux_layers}; regenerate the data with capture.aux_layers={recorded}")
+        return draft
+    vocab_size = data.target_config.get_text_config().vocab_size
+    mapping = build_vocab_mapping(data.token_counts, vocab_size, cfg.draft.vocab_size)
+    config = draft_config(data.target_config, aux_layers=data.aux_layers,
+                          draft_vocab_size=mapping.draft_vocab_size, overrides=to_container(cfg.draft.overrides))
+    config.dtype = str(data.lm_head.dtype).removeprefix("torch.")  # what a serving engine should load it as
+    draft = Eagle3Draft(config)
+    draft.d2t.copy_(mapping.d2t)
+    draft.t2d.copy_(mapping.t2d)
+    set_embedding(draft, data.embedding)
+    return draft
+
+
+def _mapping_of(draft: Eagle3Draft) -> VocabMapping:
+    return VocabMapping.from_d2t(draft.d2t, draft.config.vocab_size)
+
+
+def make_backend(cfg: DictConfig, objective: TTTObjective, optimizer, scheduler, device: torch.device,
+                 world_size: int) -> DDPBackend | DeepSpeedBackend:
+    common = dict(device=device, world_size=world_size, grad_accum=cfg.train.grad_accum,
+                  grad_clip=cfg.train.grad_clip)
+    if cfg.distributed.backend == "ddp":
+        return DDPBackend(objective, optimizer, scheduler, **common)
+    if cfg.distributed.backend == "deepspeed":
+        return DeepSpeedBackend(objective, optimizer, scheduler, **common,
+                                ds_config=to_container(cfg.distributed.deepspeed))
+    raise SpecgenError(f"distributed.backend={cfg.distributed.backend!r} is unknown; use distributed=ddp or "
+                       "distributed=zero2")
+
+
+def _autocast_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype | None:
+    precision = cfg.train.precision
+    if precision not in ("auto", "fp32", "bf16"):
+        raise SpecgenError(f"train.precision={precision!r}; use auto, fp32 or bf16")
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def _print_summary(out_dir: Path, data: TrainingData, draft: Eagle3Draft, state: TrainerState, metrics: dict,
+                   seconds: float) -> None:
+    accuracies = " ".join(f"{metrics[k]:.2f}" for k in sorted((k for k in metrics if k.startswith("acc_")),
+                                                              key=lambda k: int(k.split("_")[1])))
+    print(format_table([
+        ("checkpoint", f"{out_dir} (config.json + model.safetensors, servable as LlamaForCausalLMEagle3)"),
+        ("data", data.description),
+        ("draft", f"{sum(p.numel() for p in draft.trainable_parameters()) / 1e6:.2f}M trainable parameters, "
+                  f"vocabulary {draft.config.draft_vocab_size} of {draft.config.vocab_size}"),
+        ("steps", f"{state.step} ({state.tokens_seen:,} tokens, {seconds:.1f}s in this run)"),
+        ("last loss", f"{metrics.get('loss', float('nan')):.4f}"),
+        ("accuracy per TTT step", accuracies or "n/a"),
+        ("throughput", f"{metrics.get('tokens_per_s', 0):,.0f} tokens/s (last logging window)"),
+        ("metrics", str(out_dir / METRICS)),
+    ]))
+
+
+main = stage_main("train")(run)
+
+if __name__ == "__main__":
+    main()

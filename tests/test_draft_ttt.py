@@ -1,0 +1,92 @@
+"""TTT loss: the loss-mask shift on a hand-built example, and the loss against a position-by-position reference."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specgen.draft.target_head import TargetDistribution, TargetHead
+from specgen.draft.ttt import (
+    collate,
+    predicted_token_mask,
+    step_metrics,
+    target_positions_needed,
+    ttt_forward,
+)
+from specgen.draft.vocab import VocabMapping
+from tests.test_draft_model import tiny_draft, unroll
+
+# A conversation: two prompt tokens, a 3-token reply, one prompt token, a 1-token reply.
+#            index:  0  1  2  3  4  5  6
+LOSS_MASK = [0, 0, 1, 1, 1, 0, 1]
+
+
+def test_predicted_token_mask_shifts_with_the_tokens():
+    mask = torch.tensor([LOSS_MASK])
+    # Step 0 at index i reads x[i+1] and predicts x[i+2]: trained where x[i+2] is a reply token.
+    assert predicted_token_mask(mask, 0).long().tolist() == [[1, 1, 1, 0, 1, 0, 0]]
+    # Step 1 at index i reads x[i+2] (its own previous guess) and predicts x[i+3].
+    assert predicted_token_mask(mask, 1).long().tolist() == [[1, 1, 0, 1, 0, 0, 0]]
+    assert predicted_token_mask(mask, 2).long().tolist() == [[1, 0, 1, 0, 0, 0, 0]]
+    # The target distribution at position t is over x[t+1]: needed where x[t+1] is a reply token.
+    assert target_positions_needed(mask).long().tolist() == [[0, 1, 1, 1, 0, 1, 0]]
+
+
+def test_loss_reads_targets_only_where_the_predicted_token_is_trained():
+    """Poison every target the loss must not use with NaN: the loss and its gradient stay finite."""
+    draft = tiny_draft(draft_vocab=50)
+    draft.t2d.fill_(True)
+    mask = torch.tensor([LOSS_MASK])
+    needed = target_positions_needed(mask)[0]
+    probs = torch.full((1, 7, 50), float("nan"))
+    probs[0, needed] = torch.softmax(torch.randn(int(needed.sum()), 50), dim=-1)
+    argmax = torch.where(needed, probs[0].nan_to_num().argmax(-1), -1)[None]
+    out = ttt_forward(draft, torch.randint(0, 50, (1, 7)), mask, torch.randn(1, 7, 96),
+                      TargetDistribution(probs, argmax), ttt_length=3, decay=0.8)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    assert all(torch.isfinite(p.grad).all() for p in draft.parameters() if p.grad is not None)
+    # Positions scored per step: the hand-counted mask above.
+    assert out.stats[:, 3].tolist() == [4, 3, 2]
+
+
+def test_loss_and_accuracy_match_a_position_by_position_reference():
+    torch.manual_seed(0)
+    draft = tiny_draft(draft_vocab=20)
+    target_vocab, steps, decay = 50, 3, 0.8
+    mapping = VocabMapping(torch.tensor(sorted(torch.randperm(target_vocab)[:20].tolist())), target_vocab)
+    draft.d2t.copy_(mapping.d2t)
+    draft.t2d.copy_(mapping.t2d)
+    head = TargetHead(torch.randn(target_vocab, 32), mapping, chunk_tokens=3)  # chunks smaller than a sample
+    rows = [{"input_ids": torch.randint(0, target_vocab, (n,)), "loss_mask": torch.tensor(mask),
+             "aux_hidden_states": torch.randn(n, 96), "last_hidden_state": torch.randn(n, 32)}
+            for n, mask in [(7, LOSS_MASK), (5, [0, 1, 1, 1, 1])]]
+    batch = collate(rows)
+    target = head.distribution(batch.last_hidden_state, target_positions_needed(batch.loss_mask))
+    out = ttt_forward(draft, batch.input_ids, batch.loss_mask, batch.aux_hidden_states, target,
+                      ttt_length=steps, decay=decay)
+
+    sums = torch.zeros(steps, 4, dtype=torch.float64)
+    with torch.no_grad():
+        for row in rows:  # each sample alone: padding must not matter
+            n, ids, mask = len(row["input_ids"]), row["input_ids"], row["loss_mask"]
+            outputs = unroll(draft, ids[None], row["aux_hidden_states"][None], steps)
+            for step in range(steps):
+                for i in range(n - 2 - step):
+                    if not mask[i + 2 + step]:
+                        continue
+                    target_logits = head.weight @ row["last_hidden_state"][i + 1 + step]
+                    p = torch.softmax(target_logits[mapping.draft_to_target], dim=-1)
+                    log_q = F.log_softmax(draft.logits(outputs[step][0, i]), dim=-1)
+                    in_vocab = bool(mapping.t2d[target_logits.argmax()])
+                    sums[step] += torch.tensor([float(-(p * log_q).sum()) if in_vocab else 0.0, in_vocab,
+                                                int(mapping.draft_to_target[log_q.argmax()] == target_logits.argmax()),
+                                                1.0], dtype=torch.float64)
+    torch.testing.assert_close(out.stats, sums, rtol=1e-4, atol=1e-4)
+    expected_loss = sum(decay ** j * sums[j, 0] / max(sums[j, 1], 1) for j in range(steps))
+    assert out.loss.item() == pytest.approx(float(expected_loss), rel=1e-4)
+    metrics = step_metrics(out.stats, decay)
+    assert metrics["loss"] == pytest.approx(out.loss.item(), rel=1e-4)
+    assert metrics["acc_0"] == pytest.approx(float(sums[0, 2] / sums[0, 3]))
+    assert not math.isnan(metrics["loss_2"])

@@ -1,0 +1,409 @@
+"""The regenerate stage on tiny real models: Hugging Face greedy reference per turn, on-policy context, policies,
+bad rows, resume after a kill, multi-process equality, reasoning split, and the output feeding generate."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import REPO, build_tiny_model
+from specgen.assets import ASSETS_DIR
+from specgen.config import compose
+from specgen.data.formats import normalize
+from specgen.errors import SpecgenError
+from specgen.regen.reply import assistant_reply
+from specgen.regenerate import run, template_kwargs
+
+MAX_NEW_TOKENS = 6
+
+CONVERSATIONS = [
+    {"id": "colours", "system": "You are terse.",
+     "conversations": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Blue."},
+                       {"from": "human", "value": "And another one?"}, {"from": "gpt", "value": "Red."}]},
+    {"messages": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi there!"},
+                  {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "How are you today?"},
+                  {"role": "assistant", "content": "Fine, thanks."}]},  # no id: it becomes row-<index>
+    {"id": "sum", "instruction": "Add 2 and 3.", "input": "", "output": "5"},
+    {"id": "weather", "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny, 24C"},
+        {"role": "assistant", "content": "It is sunny."}]},
+    {"id": "story", "messages": [{"role": "user", "content": "Tell me a story about a fox."},
+                                 {"role": "assistant", "content": "Once upon a time..."},
+                                 {"role": "user", "content": "Shorter."},
+                                 {"role": "assistant", "content": "A fox ran."}]},
+]
+BAD_LINES = [
+    "this line is not JSON",
+    json.dumps({"id": "no-reply", "messages": [{"role": "user", "content": "Anyone?"}]}),
+    json.dumps({"id": "tokens", "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}),
+]
+
+
+def write_source(path: Path, conversations: list[dict], bad_lines: list[str] = ()) -> Path:
+    """JSONL with the conversations, a bad line after each of the first ones."""
+    lines = []
+    for i, row in enumerate(conversations):
+        lines.append(json.dumps(row))
+        if i < len(bad_lines):
+            lines.append(bad_lines[i])
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def source_rows(path: Path) -> list[tuple[int, dict | None]]:
+    """(row index, parsed row or None) as the readers number them: one row per non-blank line."""
+    rows = []
+    for index, line in enumerate(path.read_text().splitlines()):
+        try:
+            rows.append((index, json.loads(line)))
+        except json.JSONDecodeError:
+            rows.append((index, None))
+    return rows
+
+
+def regenerate(model: Path, data: Path, out_dir: Path, *overrides: str) -> dict:
+    cfg = compose("regenerate", [f"model.path={model}", f"data.path={data}", f"output.dir={out_dir}",
+                                 "runtime.progress=false", "runtime.device=cpu", "regenerate.temperature=0",
+                                 f"regenerate.max_new_tokens={MAX_NEW_TOKENS}", *overrides])
+    return run(cfg)
+
+
+def output_rows(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for part in sorted(out_dir.glob("part-*.jsonl")) for line in part.open()]
+
+
+def rejected_rows(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "rejected.jsonl").open()]
+
+
+class GreedyReference:
+    """One turn at a time, unbatched: what the model's own `generate` (greedy) writes after `messages`."""
+
+    def __init__(self, model_dir: Path):
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        eos = self.model.generation_config.eos_token_id
+        self.stop = {eos} if isinstance(eos, int) else set(eos)
+
+    def turn(self, messages: list[dict]) -> tuple[str, bool]:
+        """(text without the stop token, truncated)."""
+        prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = self.tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+        with torch.no_grad():
+            new = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=MAX_NEW_TOKENS)[0, ids.shape[1]:].tolist()
+        stop = next((i for i, token in enumerate(new) if token in self.stop), None)
+        return self.tokenizer.decode(new[:stop], skip_special_tokens=False), stop is None
+
+    def walk(self, row: dict) -> list[tuple[int, str, bool]]:
+        """For each regenerated turn of an output row: (message position, reference text, truncated), with the
+        row's own (regenerated) earlier turns as context."""
+        return [(i, *self.turn(row["messages"][:i])) for i, message in enumerate(row["messages"])
+                if message["role"] == "assistant" and not message.get("tool_calls")]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    """A tiny fp32 llama carrying the bundled 2048-token ChatML tokenizer."""
+    return build_tiny_model("llama", tmp_path_factory.mktemp("chat-model"), vocab_size=2048, num_layers=2,
+                            tokenizer_dir=ASSETS_DIR / "tokenizer")
+
+
+SWITCH_PROMPTS = ["Hi", "Name a colour.", "What is 2+2?", "Tell me a joke.", "Why?", "Go on", "List three fruits.",
+                  "Say something nice."]
+
+
+@pytest.fixture(scope="module")
+def switch_model(tmp_path_factory) -> Path:
+    """A tiny model that, at each step, either writes '#' or ends its turn, depending on the context.
+
+    Its LM head gives token 5 ('#') the score r.h and every other token 0, so greedy writes '#' when r.h > 0 and
+    otherwise token 0, which its generation config lists as an end of turn (beside <|im_end|>, as Qwen lists
+    <|endoftext|>). r is the difference of the final hidden states of two prompts (all have the same norm after
+    the final RMSNorm), so the sign of r.h, and with it the turn's fate (empty, finished or truncated), varies
+    with the conversation.
+    """
+    path = build_tiny_model("llama", tmp_path_factory.mktemp("switch-model"), vocab_size=2048, num_layers=2,
+                            tokenizer_dir=ASSETS_DIR / "tokenizer")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def final_state(prompt: str) -> torch.Tensor:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        with torch.no_grad():
+            return model.model(tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids)[0][0, -1]
+
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[5] = final_state(SWITCH_PROMPTS[4]) - final_state(SWITCH_PROMPTS[5])
+    model.generation_config.eos_token_id = [2, 0]
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def greedy_run(chat_model, tmp_path_factory) -> tuple[Path, Path, dict]:
+    """(source, output dir, manifest) of a greedy run over good and bad rows, in batches of up to 8."""
+    root = tmp_path_factory.mktemp("greedy")
+    source = write_source(root / "source.jsonl", CONVERSATIONS, BAD_LINES)
+    manifest = regenerate(chat_model, source, root / "out", "output.shard_size=4", "regenerate.batch_size=8")
+    return source, root / "out", manifest
+
+
+def test_greedy_regeneration_equals_hf_generate_per_turn(greedy_run, chat_model):
+    _, out_dir, manifest = greedy_run
+    reference = GreedyReference(chat_model)
+    rows = output_rows(out_dir)
+    assert [row["id"] for row in rows] == ["colours", "row-2", "sum", "weather", "story"]
+    truncated = 0
+    for row in rows:
+        for position, text, hit_limit in reference.walk(row):
+            assert row["messages"][position] == {"role": "assistant", "content": text}, (row["id"], position)
+            truncated += hit_limit
+    stats = manifest["stats"]
+    assert stats["regenerated_turns"] == 8 and stats["truncated_turns"] == truncated
+    assert manifest["generation"]["temperature"] == 0 and manifest["generation"]["max_new_tokens"] == MAX_NEW_TOKENS
+
+
+def test_later_turns_see_the_regenerated_earlier_turns(greedy_run, chat_model):
+    _, out_dir, _ = greedy_run
+    reference = GreedyReference(chat_model)
+    by_id = {row["id"]: row for row in output_rows(out_dir)}
+    for row_id, original in (("colours", CONVERSATIONS[0]), ("story", CONVERSATIONS[4])):
+        regenerated = by_id[row_id]["messages"]
+        source_context = normalize(original).messages[:-1]  # with the dataset's own first reply
+        # The check discriminates: with the dataset's first reply the model would write something else.
+        assert reference.turn(source_context)[0] != regenerated[-1]["content"]
+        assert reference.turn(regenerated[:-1])[0] == regenerated[-1]["content"]
+
+
+def test_non_assistant_turns_ids_and_tool_calls_are_kept(greedy_run):
+    source, out_dir, manifest = greedy_run
+    rows = {row["id"]: row for row in output_rows(out_dir)}
+    for index, record in source_rows(source):
+        if record is None or record.get("id") in ("no-reply", "tokens"):
+            continue
+        original = normalize(record)
+        row = rows[original.id or f"row-{index}"]
+        assert len(row["messages"]) == len(original.messages)
+        for before, after in zip(original.messages, row["messages"]):
+            if before["role"] != "assistant" or before.get("tool_calls"):
+                assert after == before
+    assert rows["weather"]["messages"][1]["tool_calls"][0]["function"]["name"] == "weather"
+    assert manifest["stats"]["kept_tool_call_turns"] == 1
+
+
+def test_bad_rows_are_rejected_with_index_id_and_reason(greedy_run):
+    source, out_dir, manifest = greedy_run
+    bad = [(index, record and record["id"]) for index, record in source_rows(source)
+           if record is None or record.get("id") in ("no-reply", "tokens")]
+    rejected = [(r["source_index"], r["sample_id"], r["reason"]) for r in rejected_rows(out_dir)]
+    assert rejected == [(*bad[0], "invalid_json"), (*bad[1], "no_assistant_turn"), (*bad[2], "pretokenized")]
+    assert manifest["stats"]["rejected"] == {"invalid_json": 1, "no_assistant_turn": 1, "pretokenized": 1}
+    assert manifest["stats"]["source_rows"] == 8 and manifest["stats"]["rows"] == 5
+
+
+def test_last_turn_only_keeps_earlier_replies(chat_model, tmp_path):
+    source = write_source(tmp_path / "source.jsonl", CONVERSATIONS[:2])
+    manifest = regenerate(chat_model, source, tmp_path / "out", "regenerate.turns=last")
+    reference = GreedyReference(chat_model)
+    for original, row in zip(CONVERSATIONS[:2], output_rows(tmp_path / "out")):
+        messages = normalize(original).messages
+        assert row["messages"][:-1] == messages[:-1]  # the first reply is the dataset's
+        assert row["messages"][-1]["content"] == reference.turn(messages[:-1])[0]
+    assert manifest["stats"]["regenerated_turns"] == 2
+
+
+def test_prompts_longer_than_max_length_cut_or_reject_the_row(greedy_run, chat_model, tmp_path):
+    source, full_dir, _ = greedy_run
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+
+    def prompt_length(messages: list[dict]) -> int:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+    full = {row["id"]: row["messages"] for row in output_rows(full_dir)}
+    turns = {row_id: [(i, prompt_length(messages[:i])) for i, m in enumerate(messages)
+                      if m["role"] == "assistant" and not m.get("tool_calls")] for row_id, messages in full.items()}
+    limit = sorted(length for row in turns.values() for _, length in row)[len(full) // 2]
+    manifest = regenerate(chat_model, source, tmp_path / "out", f"data.max_length={limit}")
+
+    too_long = {row_id: next((i for i, length in row if length > limit), None) for row_id, row in turns.items()}
+    rejected = {r["sample_id"] for r in rejected_rows(tmp_path / "out") if r["reason"] == "prompt_too_long"}
+    assert rejected == {row_id for row_id, row in turns.items() if too_long[row_id] == row[0][0]}
+    cut = {row_id: position for row_id, position in too_long.items() if position not in (None, turns[row_id][0][0])}
+    assert cut and manifest["stats"]["cut_rows"] == len(cut)
+    for row in output_rows(tmp_path / "out"):
+        # A cut row ends before its first turn without room; what it keeps is what the full run wrote.
+        assert row["messages"] == full[row["id"]][: cut.get(row["id"])]
+
+
+def test_truncated_and_empty_turns_are_counted_and_dropped_by_policy(switch_model, tmp_path):
+    conversations = [{"id": f"c{i}", "messages": [
+        {"role": "user", "content": prompt}, {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "More?"}, {"role": "assistant", "content": "ok"}]}
+        for i, prompt in enumerate(SWITCH_PROMPTS)]
+    source = write_source(tmp_path / "source.jsonl", conversations)
+    reference = GreedyReference(switch_model)
+
+    kept = regenerate(switch_model, source, tmp_path / "keep", "regenerate.on_truncated=keep",
+                      "regenerate.on_empty=keep")
+    outcome = {}  # row id -> reason of its first bad turn (None when every turn is fine)
+    truncated = empty = 0
+    for row in output_rows(tmp_path / "keep"):
+        outcome[row["id"]] = None
+        for position, text, hit_limit in reference.walk(row):
+            assert row["messages"][position]["content"] == text
+            truncated, empty = truncated + hit_limit, empty + (not text.strip())
+            if outcome[row["id"]] is None and (hit_limit or not text.strip()):
+                outcome[row["id"]] = "truncated" if hit_limit else "empty"
+    assert len(outcome) == len(conversations)
+    assert truncated and empty and None in outcome.values(), "the data must mix finished, empty and cut turns"
+    assert (kept["stats"]["truncated_turns"], kept["stats"]["empty_turns"]) == (truncated, empty)
+    assert kept["stats"]["dropped"] == {}
+
+    dropped = regenerate(switch_model, source, tmp_path / "drop", "regenerate.on_truncated=drop",
+                         "regenerate.on_empty=drop")
+    good = [row for row in output_rows(tmp_path / "keep") if outcome[row["id"]] is None]
+    assert output_rows(tmp_path / "drop") == good
+    expected = {row_id: reason for row_id, reason in outcome.items() if reason}
+    assert {r["sample_id"]: r["reason"] for r in rejected_rows(tmp_path / "drop")} == expected
+    assert dropped["stats"]["dropped"] == {reason: list(expected.values()).count(reason)
+                                           for reason in set(expected.values())}
+    assert dropped["stats"]["rows"] + sum(dropped["stats"]["dropped"].values()) == len(conversations)
+
+
+def test_changed_settings_on_an_existing_output_are_an_error(greedy_run, chat_model):
+    source, out_dir, _ = greedy_run
+    with pytest.raises(SpecgenError, match="different configuration"):
+        regenerate(chat_model, source, out_dir, "output.shard_size=4", "regenerate.max_new_tokens=7")
+
+
+def regenerate_command(model: Path, data: Path, out_dir: Path) -> list[str]:
+    """A sampled run (so the per-part seeding is exercised) in parts of one row."""
+    return [f"model.path={model}", f"data.path={data}", f"output.dir={out_dir}", "runtime.device=cpu",
+            "runtime.progress=false", "output.shard_size=1", "regenerate.temperature=1.0", "regenerate.top_p=0.9",
+            "regenerate.max_new_tokens=24"]
+
+
+def part_files(out_dir: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(out_dir.glob("part-*"))}
+
+
+def test_resume_after_kill_redoes_only_unfinished_parts(chat_model, tmp_path):
+    source = write_source(tmp_path / "source.jsonl", CONVERSATIONS * 2)
+    reference = run(compose("regenerate", regenerate_command(chat_model, source, tmp_path / "reference")))
+
+    out_dir = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "specgen.regenerate", *regenerate_command(chat_model, source, out_dir)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list(out_dir.glob("part-*.jsonl")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    finished = {path.name: os.stat(path).st_mtime_ns for path in out_dir.glob("part-*.jsonl")}
+    assert 1 <= len(finished) < len(CONVERSATIONS) * 2, "the kill must land mid-run"
+    assert not (out_dir / "manifest.json").exists()
+
+    resumed = run(compose("regenerate", regenerate_command(chat_model, source, out_dir)))
+    assert {name: os.stat(out_dir / name).st_mtime_ns for name in finished} == finished  # not redone
+    assert part_files(out_dir) == part_files(tmp_path / "reference")
+    assert resumed["stats"] == reference["stats"] and not list(out_dir.glob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one(chat_model, tmp_path):
+    source = write_source(tmp_path / "source.jsonl", CONVERSATIONS, BAD_LINES)
+    single = run(compose("regenerate", regenerate_command(chat_model, source, tmp_path / "single")))
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m",
+              "specgen.regenerate", *regenerate_command(chat_model, source, tmp_path / "double")]
+    result = subprocess.run(launch, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert part_files(tmp_path / "double") == part_files(tmp_path / "single")
+    double = json.loads((tmp_path / "double" / "manifest.json").read_text())
+    assert double["stats"] == single["stats"]
+    assert (tmp_path / "double" / "rejected.jsonl").read_text() == (tmp_path / "single" / "rejected.jsonl").read_text()
+
+
+def test_output_feeds_generate(greedy_run, chat_model, tmp_path):
+    from specgen import open_shards
+    from specgen.generate import run as generate
+
+    _, out_dir, manifest = greedy_run
+    captured = generate(compose("generate", [f"model.path={chat_model}", f"data.path={out_dir}",
+                                             f"output.dir={tmp_path / 'shards'}", "runtime.progress=false",
+                                             "capture.aux_layers=[0,1]"]))
+    assert captured["stats"]["rejected"] == {}
+    dataset = open_shards(tmp_path / "shards")
+    assert sorted(dataset[i]["sample_id"] for i in range(len(dataset))) == sorted(
+        row["id"] for row in output_rows(out_dir))
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    story = next(dataset[i] for i in range(len(dataset)) if dataset[i]["sample_id"] == "story")
+    trained = tokenizer.decode(story["input_ids"][story["loss_mask"].bool()])
+    row = next(row for row in output_rows(out_dir) if row["id"] == "story")
+    for message in row["messages"]:
+        if message["role"] == "assistant":
+            assert message["content"] in trained  # the target's own replies are what the draft trains on
+
+
+# A ChatML template with a Qwen3-style thinking switch: enable_thinking=false closes an empty block in the prompt.
+SWITCHABLE_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}")
+
+
+def test_reasoning_split_renders_back_to_the_generated_text(qwen3_tokenizer):
+    """The assistant message made from a completion renders, under the Qwen3 thinking template, to exactly the
+    prompt followed by the generated text and the end-of-turn token."""
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    prompt = qwen3_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<think>\n")  # the template opens the block; the model writes the rest
+    generated = "Two plus two.\nThat is four.\n</think>\n\nIt is 4."
+    message = assistant_reply(generated, prompt=prompt, split_reasoning=True)
+    assert (message["reasoning_content"], message["content"]) == ("Two plus two.\nThat is four.", "It is 4.")
+    rendered = qwen3_tokenizer.apply_chat_template([*messages, message], tokenize=False)
+    assert rendered == prompt + generated + "<|im_end|>\n"
+
+
+def test_reasoning_split_for_closed_cut_and_plain_turns():
+    closed = assistant_reply("<think>\nHmm.\n</think>\n\nDone.", prompt="<|im_start|>assistant\n",
+                             split_reasoning=True)
+    assert (closed["reasoning_content"], closed["content"]) == ("Hmm.", "Done.")
+    no_thinking = assistant_reply("Done.", prompt="<|im_start|>assistant\n<think>\n\n</think>\n\n",
+                                  split_reasoning=True)
+    assert (no_thinking["reasoning_content"], no_thinking["content"]) == ("", "Done.")
+    cut = assistant_reply("still thinking", prompt="<|im_start|>assistant\n<think>\n", split_reasoning=True)
+    assert (cut["reasoning_content"], cut["content"]) == ("still thinking", "")
+    plain = assistant_reply("<think>x</think>y", prompt="", split_reasoning=False)
+    assert plain == {"role": "assistant", "content": "<think>x</think>y"}
+
+
+def test_thinking_switch(qwen3_tokenizer):
+    switchable = AutoTokenizer.from_pretrained(ASSETS_DIR / "tokenizer")
+    switchable.chat_template = SWITCHABLE_TEMPLATE
+    kwargs = template_kwargs(compose("regenerate", ["regenerate.thinking=false"]), switchable)
+    assert kwargs == {"enable_thinking": False}
+    prompt = switchable.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                            add_generation_prompt=True, **kwargs)
+    assert prompt.endswith("<think>\n\n</think>\n\n")
+    assert template_kwargs(compose("regenerate"), switchable) == {}
+    with pytest.raises(SpecgenError, match="contradicts"):
+        template_kwargs(compose("regenerate", ["regenerate.thinking=true",
+                                               "+data.chat_template_kwargs.enable_thinking=false"]), switchable)
+    with pytest.raises(SpecgenError, match="no enable_thinking switch"):  # this Qwen3 template always thinks
+        template_kwargs(compose("regenerate", ["regenerate.thinking=false"]), qwen3_tokenizer)

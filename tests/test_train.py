@@ -1,0 +1,143 @@
+"""`specgen.train`: offline from real shards, online with the target in the loop, checkpoints, resume."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+from safetensors.torch import load_file
+
+from specgen.assets import ASSETS_DIR
+from specgen.config import CONF_DIR, _hydra_argv
+from specgen.draft.checkpoint import load_draft
+from specgen.errors import SpecgenError
+from tests.conftest import build_tiny_model
+from tests.test_draft_model import PUBLISHED_NAMES
+
+ROWS = 12  # conversations of the bundled corpus used by these tests
+QUICK = ["train.num_workers=0", "runtime.progress=false", "train.tensorboard=false", "train.batch_tokens=256",
+         "train.ttt_length=3", "draft.vocab_size=300", "train.log_every=1", "train.lr=1e-3"]
+
+
+def stage_config(stage: str, overrides: list[str]) -> DictConfig:
+    """The config `python -m specgen.<stage> ...overrides` would run with."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=stage, overrides=_hydra_argv(overrides))
+
+
+def data_overrides() -> list[str]:
+    return [f"data.path={ASSETS_DIR / 'chat' / 'train.jsonl'}", f"data.max_rows={ROWS}", "data.max_length=96"]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    """A tiny float32 Llama target with the bundled tokenizer (so model.path alone is enough)."""
+    return build_tiny_model("llama", tmp_path_factory.mktemp("target"), vocab_size=2048, hidden_size=64,
+                            tokenizer_dir=ASSETS_DIR / "tokenizer")
+
+
+@pytest.fixture(scope="module")
+def shards(target, tmp_path_factory) -> Path:
+    from specgen.generate import run as generate
+
+    out = tmp_path_factory.mktemp("shards")
+    generate(stage_config("generate", [f"model.path={target}", f"output.dir={out}", "output.shard_size=5",
+                                       "runtime.progress=false", *data_overrides()]))
+    return out
+
+
+def train(overrides: list[str]) -> dict:
+    from specgen.train import run
+
+    return run(stage_config("train", [*QUICK, *overrides]))
+
+
+def metrics(ckpt: Path) -> list[dict]:
+    return [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_offline_training_writes_a_servable_checkpoint(shards, target, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    train([f"data.shards={shards}", f"output.dir={ckpt}", "train.max_steps=3"])
+
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["num_hidden_layers"] == 1 and config["vocab_size"] == 2048 and config["hidden_size"] == 64
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # default for 8 layers
+    assert 0 < config["draft_vocab_size"] <= 300 and config["target_hidden_size"] == 64
+    assert config["specgen"]["target"]["path"] == str(target) and config["specgen"]["step"] == 3
+    assert transformers.AutoConfig.from_pretrained(ckpt).draft_vocab_size == config["draft_vocab_size"]
+
+    weights = load_file(ckpt / "model.safetensors")
+    assert set(weights) == PUBLISHED_NAMES
+    assert weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool
+    assert int(weights["t2d"].sum()) == config["draft_vocab_size"]
+    target_ids = torch.arange(config["draft_vocab_size"]) + weights["d2t"]
+    assert torch.equal(weights["t2d"].nonzero().flatten(), target_ids)  # both maps describe one vocabulary
+
+    lines = metrics(ckpt)
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert all({"loss", "acc_0", "acc_2", "loss_2", "lr", "tokens_per_s"} <= set(line) for line in lines)
+    assert all(0 <= line["acc_0"] <= 1 and line["loss"] > 0 for line in lines)
+
+    embedding = transformers.AutoModelForCausalLM.from_pretrained(target).get_input_embeddings().weight
+    draft = load_draft(ckpt, embedding=embedding.detach())
+    assert all(torch.equal(draft.state_dict()[name], tensor) for name, tensor in weights.items())
+
+
+def test_training_lowers_the_loss(shards, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    train([f"data.shards={shards}", f"output.dir={ckpt}", "train.max_steps=12", "train.lr=3e-3"])
+    lines = metrics(ckpt)
+    first, last = sum(line["loss"] for line in lines[:3]), sum(line["loss"] for line in lines[-3:])
+    assert last < first
+
+
+def test_resume_continues_exactly(shards, tmp_path):
+    """4 steps in one go == 2 steps, stop, resume to 4: same weights, same optimizer, same batches."""
+    schedule = ["train.schedule_steps=4", "train.epochs=3"]
+    straight, pieces = tmp_path / "straight", tmp_path / "pieces"
+    train([f"data.shards={shards}", f"output.dir={straight}", "train.max_steps=4", *schedule])
+    train([f"data.shards={shards}", f"output.dir={pieces}", "train.max_steps=2", *schedule])
+    with pytest.raises(SpecgenError, match="train.resume=true"):
+        train([f"data.shards={shards}", f"output.dir={pieces}", "train.max_steps=4", *schedule])
+    train([f"data.shards={shards}", f"output.dir={pieces}", "train.max_steps=4", "train.resume=true", *schedule])
+
+    expected, got = load_file(straight / "model.safetensors"), load_file(pieces / "model.safetensors")
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+    assert [line["step"] for line in metrics(pieces)] == [1, 2, 3, 4]
+    assert [line["loss"] for line in metrics(pieces)] == [line["loss"] for line in metrics(straight)]
+
+
+def test_online_step_equals_offline_step(shards, target, tmp_path):
+    """The same samples through the target in the loop give the loss the shards give (one batch holds all)."""
+    one_batch = ["train.max_steps=1", "train.batch_tokens=1000000"]
+    train([f"data.shards={shards}", f"output.dir={tmp_path / 'offline'}", *one_batch])
+    train(["mode=online", f"model.path={target}", *data_overrides(), f"output.dir={tmp_path / 'online'}",
+           *one_batch])
+    offline, online = metrics(tmp_path / "offline")[0], metrics(tmp_path / "online")[0]
+    for key in ("loss", "loss_0", "loss_1", "loss_2"):
+        assert online[key] == pytest.approx(offline[key], rel=1e-5), key
+    for key in ("acc_0", "acc_1", "acc_2", "tokens_seen"):
+        assert online[key] == offline[key], key
+    assert json.loads((tmp_path / "online" / "token_counts.json").read_text()) == \
+        json.loads((shards / "token_counts.json").read_text())
+
+
+def test_fine_tuning_reuses_the_checkpoint_vocabulary(shards, tmp_path):
+    base = tmp_path / "base"
+    train([f"data.shards={shards}", f"output.dir={base}", "train.max_steps=1", "draft.vocab_size=100"])
+    tuned = tmp_path / "tuned"
+    train([f"data.shards={shards}", f"output.dir={tuned}", "train.max_steps=1", f"draft.init={base}",
+           "draft.vocab_size=300"])
+    assert torch.equal(load_file(base / "model.safetensors")["d2t"], load_file(tuned / "model.safetensors")["d2t"])
+
+
+def test_user_errors_are_one_line_messages(tmp_path):
+    with pytest.raises(SpecgenError, match="data.shards"):
+        train([f"output.dir={tmp_path / 'x'}"])
+    with pytest.raises(SpecgenError, match="model.path"):
+        train(["mode=online", f"output.dir={tmp_path / 'y'}"])

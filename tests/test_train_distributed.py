@@ -1,0 +1,67 @@
+"""Two processes on CPU (gloo) under `accelerate launch`: DDP and DeepSpeed ZeRO-2, offline and online.
+
+A data-parallel step over 2 processes must equal one process accumulating the same 2 batches: the batch plan gives
+process r the batches r, r+2, ..., which are exactly the pairs a single process with train.grad_accum=2 sums.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.test_train import QUICK, data_overrides, metrics, shards, target, train  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.slow
+
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "specgen.train"]
+
+
+def launch_two(overrides: list[str], cwd: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([*LAUNCH, *QUICK, *overrides], cwd=Path(__file__).resolve().parent.parent, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("distributed", ["ddp", "zero2"])
+def test_two_processes_equal_one_process_accumulating(distributed, shards, tmp_path):  # noqa: F811
+    steps = ["train.max_steps=2", "train.schedule_steps=2"]
+    launch_two([f"data.shards={shards}", f"output.dir={tmp_path / 'two'}", f"distributed={distributed}", *steps],
+               tmp_path)
+    train([f"data.shards={shards}", f"output.dir={tmp_path / 'one'}", "train.grad_accum=2", *steps])
+
+    two, one = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-6, msg=name)
+    lines_two, lines_one = metrics(tmp_path / "two"), metrics(tmp_path / "one")
+    assert [line["step"] for line in lines_two] == [1, 2]
+    assert [line["tokens_seen"] for line in lines_two] == [line["tokens_seen"] for line in lines_one]
+    assert lines_two[-1]["loss"] == pytest.approx(lines_one[-1]["loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("distributed", ["ddp", "zero2"])
+def test_two_processes_online(distributed, target, tmp_path):  # noqa: F811
+    launch_two(["mode=online", f"model.path={target}", *data_overrides(), f"output.dir={tmp_path / 'ckpt'}",
+                f"distributed={distributed}", "train.max_steps=2"], tmp_path)
+    assert [line["step"] for line in metrics(tmp_path / "ckpt")] == [1, 2]
+    assert (tmp_path / "ckpt" / "training_state").is_dir()
+
+
+def test_zero2_resume(shards, tmp_path):  # noqa: F811
+    """ZeRO-2 partitions the optimizer state; resuming restores every partition."""
+    schedule = ["distributed=zero2", "train.schedule_steps=4", "train.epochs=3"]
+    launch_two([f"data.shards={shards}", f"output.dir={tmp_path / 'straight'}", "train.max_steps=4", *schedule],
+               tmp_path)
+    launch_two([f"data.shards={shards}", f"output.dir={tmp_path / 'pieces'}", "train.max_steps=2", *schedule],
+               tmp_path)
+    launch_two([f"data.shards={shards}", f"output.dir={tmp_path / 'pieces'}", "train.max_steps=4",
+                "train.resume=true", *schedule], tmp_path)
+    straight = load_file(tmp_path / "straight" / "model.safetensors")
+    pieces = load_file(tmp_path / "pieces" / "model.safetensors")
+    for name in straight:
+        torch.testing.assert_close(pieces[name], straight[name], rtol=1e-5, atol=1e-7, msg=name)

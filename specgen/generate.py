@@ -21,6 +21,8 @@ from omegaconf import DictConfig
 
 from specgen.capture import TargetCapture, make_capture
 from specgen.capture.layers import default_aux_layers, validate_aux_layers
+from specgen.capture.outputs import SampleOutputs, logprob_statistics
+from specgen.capture.outputs import identity as output_identity
 from specgen.capture.target import config_hash, load_target
 from specgen.config import stage_main, to_container
 from specgen.data.batching import token_budget_batches
@@ -29,6 +31,7 @@ from specgen.data.sample import TokenizedSample
 from specgen.data.sources import SourceRecord, count_records, iter_records
 from specgen.data.template import ChatTemplateTokenizer, chat_template_sha256
 from specgen.errors import SpecgenError
+from specgen.filters import SampleFilter
 from specgen.outdir import claim_output_dir
 from specgen.progress import Progress, format_table, human_bytes
 from specgen.store.manifest import merge_rejected, summarize_shards, write_manifest
@@ -69,6 +72,8 @@ class Target:
     capture: TargetCapture
     spec: ShardSpec
     pad_id: int
+    outputs: SampleOutputs  # what each sample stores besides tokens: hidden states (bf16/fp8), logits, ...
+    sample_filter: SampleFilter = SampleFilter()
 
 
 def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
@@ -80,13 +85,15 @@ def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
                   else validate_aux_layers(list(requested), num_layers))
     capture = make_capture(model, aux_layers)
     dtype = str(capture.dtype).removeprefix("torch.")
-    spec = ShardSpec(hidden_size=capture.hidden_size, num_aux=len(aux_layers), dtype=dtype)
+    outputs = SampleOutputs.from_config(cfg, capture)
+    spec = ShardSpec(hidden_size=capture.hidden_size, num_aux=len(aux_layers), dtype=dtype, **outputs.spec_fields())
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return Target(capture=capture, spec=spec, pad_id=pad_id)
+    return Target(capture=capture, spec=spec, pad_id=pad_id, outputs=outputs,
+                  sample_filter=SampleFilter.from_config(cfg))
 
 
 def capture_batches(target: Target, samples: list[TokenizedSample], *, batch_tokens: int, max_batch_size: int,
-                    device: torch.device) -> Iterator[tuple[list[dict], int]]:
+                    device: torch.device, chunk_tokens: int | None = None) -> Iterator[tuple[list[dict], int]]:
     """Run length-bucketed batches through the target; yield (rows without padding, padded token count)."""
     for batch in token_budget_batches(samples, batch_tokens, max_batch_size):
         longest = max(len(s) for s in batch)
@@ -94,14 +101,15 @@ def capture_batches(target: Target, samples: list[TokenizedSample], *, batch_tok
         for b, sample in enumerate(batch):
             input_ids[b, : len(sample)] = torch.tensor(sample.input_ids)
         lengths = torch.tensor([len(s) for s in batch])
-        out = target.capture(input_ids.to(device), lengths.to(device))
+        input_ids = input_ids.to(device)
+        out = target.capture(input_ids, lengths.to(device), chunk_tokens=chunk_tokens)
         rows = [{
             "sample_id": s.sample_id,
+            "source_index": s.source_index,  # not a column: lets a filtered row be listed in rejected.jsonl
             "input_ids": s.input_ids,
             "loss_mask": s.loss_mask,
-            "aux_hidden_states": out.aux_hidden_states[b, : len(s)].cpu(),
-            "last_hidden_state": out.last_hidden_state[b, : len(s)].cpu(),
-        } for b, s in enumerate(batch)]
+        } for s in batch]
+        target.outputs.add_columns(rows, out, input_ids)  # hidden states (bf16 or fp8) and the optional columns
         yield rows, len(batch) * longest
 
 
@@ -119,13 +127,16 @@ def write_unit(cfg: DictConfig, out_dir: Path, unit: int, records: list[SourceRe
         samples.extend(row.samples)
         rejected.extend(r.to_json() for r in row.rejections)
     stats = {"source_rows": len(records), "samples": len(samples), "tokens": sum(len(s) for s in samples),
-             "trainable_tokens": sum(s.num_trainable for s in samples), "padded_tokens": 0,
-             "rejected": dict(Counter(r["reason"] for r in rejected))}
+             "trainable_tokens": sum(s.num_trainable for s in samples), "padded_tokens": 0}
     with ShardWriter(out_dir, unit, target.spec) as writer:
         for rows, padded in capture_batches(target, samples, batch_tokens=cfg.capture.batch_tokens,
-                                            max_batch_size=cfg.capture.max_batch_size, device=device):
+                                            max_batch_size=cfg.capture.max_batch_size, device=device,
+                                            chunk_tokens=cfg.capture.prefill_chunk_tokens):
+            rows, rejections = target.sample_filter.apply(rows, stats)
+            rejected.extend(rejections)
             writer.write(rows)
             stats["padded_tokens"] += padded
+        stats["rejected"] = dict(Counter(r["reason"] for r in rejected))
         writer.commit(stats, rejected)
     return stats
 
@@ -148,7 +159,7 @@ def dataset_identity(cfg: DictConfig, model_config_hash: str, template_sha: str)
             "model.dtype": cfg.model.dtype, "tokenizer.path": str(Path(cfg.tokenizer.path).resolve()),
             "chat_template_sha256": template_sha, "data": to_container(cfg.data),
             "capture.aux_layers": to_container(cfg.capture).get("aux_layers"),
-            "output.shard_size": cfg.output.shard_size}
+            "output.shard_size": cfg.output.shard_size, **output_identity(cfg)}
 
 
 def build_manifest(cfg: DictConfig, out_dir: Path, target: Target, tokenizer, identity: dict) -> dict:
@@ -170,8 +181,12 @@ def build_manifest(cfg: DictConfig, out_dir: Path, target: Target, tokenizer, id
                     "last_hidden_state": "post_norm: output of the final norm, the input of lm_head",
                     "backend": capture.backend},
         "dtype": target.spec.dtype, "hidden_size": target.spec.hidden_size, "num_aux": target.spec.num_aux,
+        "codec": "fp8" if target.spec.codec == "fp8" else target.spec.dtype,
+        "outputs": {**target.outputs.describe(), "filter": target.sample_filter.describe()},
         "shards": shards,
-        "stats": summarize_shards(out_dir),
+        "stats": {**summarize_shards(out_dir),
+                  **({"logprobs": logprob_statistics([out_dir / name for name in shards])}
+                     if target.spec.token_logprobs else {})},
         "config": to_container(cfg),
     }
 
@@ -186,7 +201,7 @@ def print_summary(manifest: dict, out_dir: Path, computed_tokens: int, seconds: 
         ("samples", f"{stats['samples']:,} in {len(manifest['shards'])} shards"),
         ("tokens", f"{stats['tokens']:,} ({stats['trainable_tokens']:,} trainable)"),
         ("rejected rows", rejected_text),
-        ("bytes on disk", f"{human_bytes(stats['bytes_on_disk'])} ({stats['bytes_per_token']:,.0f} B/token)"),
+        ("bytes on disk", f"{human_bytes(stats['bytes_on_disk'])} ({stats['bytes_per_token'] or 0:,.0f} B/token)"),
         ("throughput", f"{computed_tokens / max(seconds, 1e-9):,.0f} tokens/s over {computed_tokens:,} tokens "
                        f"computed in this run ({seconds:.1f}s)" if computed_tokens else
                        "nothing left to compute: every shard was already finished"),
@@ -224,8 +239,9 @@ def run(cfg: DictConfig) -> dict:
             progress.update(len(unit_records), 0)
             continue
         stats = write_unit(cfg, out_dir, unit, unit_records, chat, target, device)
-        computed_tokens += stats["tokens"]
-        progress.update(len(unit_records), stats["tokens"])
+        unit_tokens = stats["tokens"] + stats.get("filtered_tokens", 0)
+        computed_tokens += unit_tokens
+        progress.update(len(unit_records), unit_tokens)
     seconds = progress.close()
 
     manifest = build_manifest(cfg, out_dir, target, tokenizer, identity)

@@ -42,12 +42,13 @@ class HookCapture(TargetCapture):
                       f"backend (validated on GPT-2 only: spot-check its hidden states against "
                       f"output_hidden_states before a large run)", stacklevel=3)
 
-    def _forward(self, input_ids: torch.LongTensor) -> CaptureOutput:
+    def _forward(self, input_ids: torch.LongTensor, past_key_values: transformers.Cache | None = None) -> CaptureOutput:
         aux = self._new_aux_buffer(input_ids)
         hooks = [self._layers[layer].register_forward_hook(partial(self._hook, aux, layer))
                  for layer in self.aux_layers]
         try:
-            output = self._decoder(input_ids=input_ids, use_cache=False, output_hidden_states=False)
+            output = self._decoder(input_ids=input_ids, past_key_values=past_key_values,
+                                   use_cache=past_key_values is not None, output_hidden_states=False)
         finally:
             for hook in hooks:
                 hook.remove()

@@ -51,20 +51,22 @@ class LlamaFamilyCapture(TargetCapture):
             raise SpecgenError(f"{type(model).__name__} uses attention layer types {unsupported}, which the llama "
                                f"capture backend does not handle; supported: {sorted(_MASK_BUILDERS)}")
 
-    def _forward(self, input_ids: torch.LongTensor) -> CaptureOutput:
+    def _forward(self, input_ids: torch.LongTensor, past_key_values: transformers.Cache | None = None) -> CaptureOutput:
         body = self.model.model
         hidden_state = body.embed_tokens(input_ids)
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        offset = past_key_values.get_seq_length() if past_key_values is not None else 0
+        position_ids = torch.arange(offset, offset + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         position_embeddings = body.rotary_emb(hidden_state, position_ids)
         masks = {
             kind: _MASK_BUILDERS[kind](config=self.model.config, inputs_embeds=hidden_state, attention_mask=None,
-                                       past_key_values=None, position_ids=position_ids)
+                                       past_key_values=past_key_values, position_ids=position_ids)
             for kind in set(self._layer_types)
         }
         aux = self._new_aux_buffer(input_ids)
         for index, decoder_layer in enumerate(body.layers[:self.num_layers]):
             output = decoder_layer(hidden_state, attention_mask=masks[self._layer_types[index]],
-                                   position_ids=position_ids, position_embeddings=position_embeddings)
+                                   position_ids=position_ids, position_embeddings=position_embeddings,
+                                   past_key_values=past_key_values, use_cache=past_key_values is not None)
             # transformers < 5 returns a tuple whose first element is the hidden state.
             hidden_state = output[0] if isinstance(output, tuple) else output
             self._keep_if_requested(aux, index, hidden_state)

@@ -120,22 +120,46 @@ class TargetCapture(ABC):
         return self.model.get_output_embeddings()
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.LongTensor, lengths: torch.LongTensor) -> CaptureOutput:
+    def __call__(self, input_ids: torch.LongTensor, lengths: torch.LongTensor,
+                 chunk_tokens: int | None = None) -> CaptureOutput:
         """Capture a RIGHT-padded batch: input_ids [B, T], lengths [B] real tokens per row (1..T).
 
         With right padding every padding key comes after every real query, so the causal mask
         alone keeps real positions exact; padding positions are computed but meaningless.
+        chunk_tokens: run at most this many positions per forward (chunked prefill with a KV cache,
+        see `_forward_in_chunks`); None runs the whole sequence at once.
         """
         if input_ids.dim() != 2 or lengths.shape != input_ids.shape[:1]:
             raise ValueError(f"expected input_ids [B, T] and lengths [B], got {tuple(input_ids.shape)} "
                              f"and {tuple(lengths.shape)}")
         if input_ids.shape[1] == 0 or lengths.min() < 1 or lengths.max() > input_ids.shape[1]:
             raise ValueError(f"lengths must lie in [1, T={input_ids.shape[1]}], got {lengths.tolist()}")
-        return self._forward(input_ids.to(self.device))
+        input_ids = input_ids.to(self.device)
+        if chunk_tokens is None or input_ids.shape[1] <= chunk_tokens:
+            return self._forward(input_ids)
+        return self._forward_in_chunks(input_ids, chunk_tokens)
+
+    def _forward_in_chunks(self, input_ids: torch.LongTensor, chunk_tokens: int) -> CaptureOutput:
+        """Chunked prefill: positions [s, s + chunk_tokens) at a time, attending to the earlier chunks through
+        a KV cache, so activation memory follows the chunk length instead of T (the cache and the outputs
+        still grow with T). Equal to the single pass up to floating-point rounding."""
+        cache = transformers.DynamicCache(config=self.model.config)
+        aux = self._new_aux_buffer(input_ids)
+        last = torch.empty(*input_ids.shape, self.hidden_size, dtype=self.dtype, device=input_ids.device)
+        for start in range(0, input_ids.shape[1], chunk_tokens):
+            end = start + chunk_tokens
+            out = self._forward(input_ids[:, start:end], past_key_values=cache)
+            aux[:, start:end] = out.aux_hidden_states
+            last[:, start:end] = out.last_hidden_state
+        return CaptureOutput(aux_hidden_states=aux, last_hidden_state=last)
 
     @abstractmethod
-    def _forward(self, input_ids: torch.LongTensor) -> CaptureOutput:
-        """Run the target on input_ids (already on the model device)."""
+    def _forward(self, input_ids: torch.LongTensor, past_key_values: transformers.Cache | None = None) -> CaptureOutput:
+        """Run the target on input_ids (already on the model device).
+
+        past_key_values: None for a whole sequence; else the KV cache of the positions before input_ids, which
+        then continue from the cache's length, and whose entries for input_ids are appended in place.
+        """
 
     def _new_aux_buffer(self, input_ids: torch.LongTensor) -> torch.Tensor:
         """Output buffer for the requested layers; each one is copied in as soon as it is produced,

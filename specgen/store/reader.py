@@ -15,9 +15,12 @@ import torch
 from torch.utils.data import Dataset
 
 from specgen.errors import SpecgenError
+from specgen.store import fp8
 from specgen.store.manifest import MANIFEST, read_manifest
 from specgen.store.schema import Column, ShardSpec, arrow_schema, columns
 from specgen.store.writer import finished_shards
+
+HIDDEN_STATES = ("aux_hidden_states", "last_hidden_state")
 
 
 def _zero_copy_numpy(array: pa.Array) -> np.ndarray:
@@ -68,7 +71,7 @@ class _BatchColumns:
                 offsets = self._offsets[column.name]
                 values = values[offsets[index]:offsets[index + 1]]
             else:
-                values = values[index]
+                values = values[index, ...]  # a 0-d or 1-d view, never a numpy scalar
             item[column.name] = _as_tensor(values, column)
         return item
 
@@ -105,9 +108,10 @@ def _open_shard(path: Path) -> pa.ipc.RecordBatchFileReader:
 class ShardDataset(Dataset):
     """All samples of a list of shards, in shard order; items are dicts of tensors (see `open_shards`)."""
 
-    def __init__(self, shard_paths: list[Path], manifest: dict | None = None):
+    def __init__(self, shard_paths: list[Path], manifest: dict | None = None, dtype: torch.dtype | None = None):
         self.shard_paths = list(shard_paths)
         self.manifest = manifest
+        self.dtype = dtype
         self.spec: ShardSpec | None = None
         self._batch_locations: list[tuple[int, int]] = []  # (shard, record batch) in order
         self._batch_starts: list[int] = []  # first sample index of each record batch
@@ -163,7 +167,18 @@ class ShardDataset(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(f"sample index {index} out of range for {len(self)} samples")
         batch_number = bisect.bisect_right(self._batch_starts, index) - 1
-        return self._batch(batch_number).row(index - self._batch_starts[batch_number])
+        return self._hidden_in_dtype(self._batch(batch_number).row(index - self._batch_starts[batch_number]))
+
+    def _hidden_in_dtype(self, item: dict) -> dict:
+        """Decode fp8 hidden states (bf16 unless `dtype` says otherwise); cast others when `dtype` is given."""
+        for name in HIDDEN_STATES:
+            if self.spec.codec == "fp8":
+                scales = item.pop(f"{name}_scale")
+                scales = scales.unsqueeze(-1) if scales.dim() == 1 else scales
+                item[name] = fp8.decode(item[name], scales, self.dtype or torch.bfloat16)
+            elif self.dtype is not None:
+                item[name] = item[name].to(self.dtype)
+        return item
 
     def _batch(self, batch_number: int) -> _BatchColumns:
         if self._pid != os.getpid():
@@ -177,11 +192,15 @@ class ShardDataset(Dataset):
         return self._batches[location]
 
 
-def open_shards(path: str | Path) -> ShardDataset:
+def open_shards(path: str | Path, dtype: torch.dtype | None = None) -> ShardDataset:
     """Open an output directory (its manifest's shards, else its finished shards) or one shard file.
 
     Items: `sample_id` (str), `input_ids` and `loss_mask` (LongTensor [T]), `aux_hidden_states`
-    ([T, num_aux * hidden]) and `last_hidden_state` ([T, hidden]) in the stored dtype, memory-mapped.
+    ([T, num_aux * hidden]) and `last_hidden_state` ([T, hidden]) in the stored dtype, memory-mapped,
+    plus the optional columns the run stored (`ShardSpec`; e.g. `token_logprobs`, `topk_values`).
+
+    dtype: the dtype the hidden states come back in. None keeps the stored dtype zero-copy; fp8
+    shards are always decoded (a copy), to bfloat16 unless `dtype` asks for another.
     """
     shard_paths, manifest = _shard_paths(Path(path))
-    return ShardDataset(shard_paths, manifest)
+    return ShardDataset(shard_paths, manifest, dtype=dtype)

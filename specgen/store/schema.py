@@ -8,6 +8,16 @@ is bit-exact and the reader can hand the bytes back to torch with a `.view(torch
 To add a column (fp8 codes and scales, top-k logits, token log-probs, pooled vectors): give
 `ShardSpec` the field that turns it on and append a `Column` in `columns()`. The writer and reader
 are generic over `Column`, and the spec travels in the schema metadata, so old shards keep loading.
+
+The optional outputs (all off by default; see `specgen.capture.derived` and `specgen.store.fp8`):
+
+* codec "fp8": hidden states as float8 e4m3 codes (uint8 bit patterns) plus float32 scales,
+  `aux_hidden_states_scale` [T, k] (one per token per aux layer) and `last_hidden_state_scale` [T];
+* logits "topk": `topk_values` [n, K] (target dtype, descending) and `topk_indices` [n, K] (int32);
+  logits "full": `logits` [n, V]; n counts the positions t with loss_mask[t + 1] == 1, in order;
+* token_logprobs: `token_logprobs` [T] float32 (log p(x[t+1] | x[<=t]), NaN at t = T-1) and
+  `mean_logprob` (float32 scalar, over the trainable tokens);
+* pooled: `pooled_hidden_state` [H] float32.
 """
 
 import dataclasses
@@ -19,10 +29,15 @@ import torch
 
 from specgen.errors import SpecgenError
 
-FORMAT_VERSION = 1
+# 2: the optional output fields of ShardSpec (codec, logits, token_logprobs, pooled); version 1
+# shards have none of them and load with their defaults.
+FORMAT_VERSION = 2
 METADATA_KEY = b"specgen"
 
 HIDDEN_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+CODECS = ("none", "fp8")  # none: hidden states bit-exact in `dtype`; fp8: e4m3 codes + per-token scales
+LOGITS = ("none", "topk", "full")
+POOLED = ("none", "mean", "mean_trainable", "last")
 
 # Torch dtypes Arrow cannot represent are stored as unsigned integers of the same width holding
 # their bit patterns; everything else maps to the Arrow type of the same name.
@@ -38,22 +53,40 @@ class ShardSpec:
     """Everything needed to interpret a shard; stored in every shard's schema metadata.
 
     dtype is the target model's torch dtype name for hidden states; num_aux is the number of
-    auxiliary layers concatenated along the feature axis of `aux_hidden_states`.
+    auxiliary layers concatenated along the feature axis of `aux_hidden_states`. The remaining
+    fields switch on optional columns and default to off, which is what version 1 shards hold.
     """
 
     hidden_size: int
     num_aux: int
     dtype: str
+    codec: str = "none"          # how hidden states are stored (CODECS)
+    logits: str = "none"         # target logits at the trainable positions (LOGITS)
+    topk: int = 0                # K of `topk_values` / `topk_indices` when logits == "topk"
+    vocab_size: int = 0          # width of `logits` when logits == "full"
+    token_logprobs: bool = False  # `token_logprobs` [T] and `mean_logprob`
+    pooled: str = "none"         # how `pooled_hidden_state` pools (POOLED)
 
     def __post_init__(self):
         if self.dtype not in HIDDEN_DTYPES:
             raise SpecgenError(f"unsupported hidden-state dtype {self.dtype!r}: use one of {sorted(HIDDEN_DTYPES)}")
         if self.hidden_size < 1 or self.num_aux < 1:
             raise SpecgenError(f"invalid shard spec {self}: hidden_size and num_aux must be positive")
+        for name, allowed in (("codec", CODECS), ("logits", LOGITS), ("pooled", POOLED)):
+            if getattr(self, name) not in allowed:
+                raise SpecgenError(f"invalid shard spec: {name}={getattr(self, name)!r}, use one of {list(allowed)}")
+        if (self.logits == "topk") != (self.topk > 0) or (self.logits == "full") != (self.vocab_size > 0):
+            raise SpecgenError(f"invalid shard spec {self}: topk > 0 goes with logits='topk' and vocab_size > 0 "
+                               "with logits='full'")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return HIDDEN_DTYPES[self.dtype]
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        """The dtype of the stored hidden-state values: the target's, or float8 e4m3 codes."""
+        return torch.float8_e4m3fn if self.codec == "fp8" else self.torch_dtype
 
     def to_metadata(self) -> dict[bytes, bytes]:
         fields = {"format_version": FORMAT_VERSION, **dataclasses.asdict(self)}
@@ -81,6 +114,8 @@ class Column:
     per_token: the row holds one entry per token (a list of length T) rather than one per sample.
     width: None for a scalar entry, else a fixed-size vector of `width` values (a hidden state).
     load_as: dtype the reader casts to (a copy); None keeps the stored dtype, zero-copy.
+    positions: which positions a per-token list covers: "all" (length T) or "trainable" (the
+        positions t with loss_mask[t + 1] == 1, whose hidden state predicts a trained token).
     """
 
     name: str
@@ -88,6 +123,7 @@ class Column:
     per_token: bool = True
     width: int | None = None
     load_as: torch.dtype | None = None
+    positions: str = "all"
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -110,9 +146,27 @@ def columns(spec: ShardSpec) -> list[Column]:
         Column("sample_id", str, per_token=False),
         Column("input_ids", torch.int32, load_as=torch.long),
         Column("loss_mask", torch.int8, load_as=torch.long),
-        Column("aux_hidden_states", spec.torch_dtype, width=spec.num_aux * spec.hidden_size),
-        Column("last_hidden_state", spec.torch_dtype, width=spec.hidden_size),
-    ]
+        Column("aux_hidden_states", spec.stored_dtype, width=spec.num_aux * spec.hidden_size),
+        Column("last_hidden_state", spec.stored_dtype, width=spec.hidden_size),
+    ] + _optional_columns(spec)
+
+
+def _optional_columns(spec: ShardSpec) -> list[Column]:
+    optional = []
+    if spec.codec == "fp8":
+        optional += [Column("aux_hidden_states_scale", torch.float32, width=spec.num_aux),
+                     Column("last_hidden_state_scale", torch.float32)]
+    if spec.logits == "topk":
+        optional += [Column("topk_values", spec.torch_dtype, width=spec.topk, positions="trainable"),
+                     Column("topk_indices", torch.int32, width=spec.topk, positions="trainable",
+                            load_as=torch.long)]
+    if spec.logits == "full":
+        optional.append(Column("logits", spec.torch_dtype, width=spec.vocab_size, positions="trainable"))
+    if spec.token_logprobs:
+        optional += [Column("token_logprobs", torch.float32), Column("mean_logprob", torch.float32, per_token=False)]
+    if spec.pooled != "none":
+        optional.append(Column("pooled_hidden_state", torch.float32, per_token=False, width=spec.hidden_size))
+    return optional
 
 
 def arrow_schema(spec: ShardSpec) -> pa.Schema:

@@ -137,9 +137,17 @@ class ShardWriter:
         self._writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self._schema))
 
     def _check_token_counts(self, row: dict) -> None:
-        counts = {column.name: len(row[column.name]) for column in self._columns if column.per_token}
+        counts = {column.name: len(row[column.name]) for column in self._columns
+                  if column.per_token and column.positions == "all"}
         if len(set(counts.values())) > 1:
             raise ValueError(f"sample {row['sample_id']!r}: per-token columns disagree on the token count {counts}")
+        # Lists over the trainable positions hold one entry per t with loss_mask[t + 1] == 1.
+        over_trainable = [column for column in self._columns if column.positions == "trainable"]
+        trainable = int(torch.as_tensor(row["loss_mask"])[1:].sum()) if over_trainable else 0
+        for column in over_trainable:
+            if len(row[column.name]) != trainable:
+                raise ValueError(f"sample {row['sample_id']!r}: {column.name} has {len(row[column.name])} rows, "
+                                 f"but loss_mask[1:] marks {trainable} trainable positions")
 
     def commit(self, stats: dict, rejected: list[dict]) -> Path:
         """Finish the shard: close it, write its sidecar, then rename it into place (the commit point)."""

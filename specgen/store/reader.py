@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 
 from specgen.errors import SpecgenError
 from specgen.store.manifest import MANIFEST, read_manifest
+from specgen.store.prefix_layout import reassemble_row
 from specgen.store.schema import Column, ShardSpec, arrow_schema, columns
 from specgen.store.writer import finished_shards
 
@@ -68,7 +69,7 @@ class _BatchColumns:
                 offsets = self._offsets[column.name]
                 values = values[offsets[index]:offsets[index + 1]]
             else:
-                values = values[index]
+                values = values[index, ...]  # a 0-d array for a scalar column: torch.from_numpy needs an array
             item[column.name] = _as_tensor(values, column)
         return item
 
@@ -112,9 +113,11 @@ class ShardDataset(Dataset):
         self._batch_locations: list[tuple[int, int]] = []  # (shard, record batch) in order
         self._batch_starts: list[int] = []  # first sample index of each record batch
         self._lengths: list[int] = []
+        self._shard_starts: list[int] = []  # first sample index of each shard (prefix_ref is shard-local)
         for shard, path in enumerate(self.shard_paths):
             reader = _open_shard(path)
             self._check_spec(reader.schema, path)
+            self._shard_starts.append(len(self._lengths))
             for batch_index in range(reader.num_record_batches):
                 offsets = _zero_copy_numpy(reader.get_batch(batch_index).column("input_ids").offsets)
                 self._batch_locations.append((shard, batch_index))
@@ -162,6 +165,13 @@ class ShardDataset(Dataset):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(f"sample index {index} out of range for {len(self)} samples")
+        if self.spec.store_prefix_once:
+            shard_start = self._shard_starts[bisect.bisect_right(self._shard_starts, index) - 1]
+            return reassemble_row(self._stored_row(index), lambda row: self._stored_row(shard_start + row),
+                                  [column.name for column in self._columns if column.suffix_only])
+        return self._stored_row(index)
+
+    def _stored_row(self, index: int) -> dict:
         batch_number = bisect.bisect_right(self._batch_starts, index) - 1
         return self._batch(batch_number).row(index - self._batch_starts[batch_number])
 
@@ -182,6 +192,8 @@ def open_shards(path: str | Path) -> ShardDataset:
 
     Items: `sample_id` (str), `input_ids` and `loss_mask` (LongTensor [T]), `aux_hidden_states`
     ([T, num_aux * hidden]) and `last_hidden_state` ([T, hidden]) in the stored dtype, memory-mapped.
+    Shards in the store-once layout (`output.store_prefix_once`) come back as the same full rows, reassembled
+    from their stored prefix references (copies rather than views).
     """
     shard_paths, manifest = _shard_paths(Path(path))
     return ShardDataset(shard_paths, manifest)

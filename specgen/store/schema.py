@@ -44,6 +44,7 @@ class ShardSpec:
     hidden_size: int
     num_aux: int
     dtype: str
+    store_prefix_once: bool = False  # hidden states after prefix_len only; see specgen.store.prefix_layout
 
     def __post_init__(self):
         if self.dtype not in HIDDEN_DTYPES:
@@ -81,6 +82,7 @@ class Column:
     per_token: the row holds one entry per token (a list of length T) rather than one per sample.
     width: None for a scalar entry, else a fixed-size vector of `width` values (a hidden state).
     load_as: dtype the reader casts to (a copy); None keeps the stored dtype, zero-copy.
+    suffix_only: a per-token column holding only tokens [prefix_len, T) of the row (the store-once layout).
     """
 
     name: str
@@ -88,6 +90,7 @@ class Column:
     per_token: bool = True
     width: int | None = None
     load_as: torch.dtype | None = None
+    suffix_only: bool = False
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -106,13 +109,18 @@ class Column:
 
 def columns(spec: ShardSpec) -> list[Column]:
     """The stored columns, in file order. This is the one place the column set is defined."""
+    once = spec.store_prefix_once
     return [
         Column("sample_id", str, per_token=False),
         Column("input_ids", torch.int32, load_as=torch.long),
         Column("loss_mask", torch.int8, load_as=torch.long),
-        Column("aux_hidden_states", spec.torch_dtype, width=spec.num_aux * spec.hidden_size),
-        Column("last_hidden_state", spec.torch_dtype, width=spec.hidden_size),
-    ]
+        Column("aux_hidden_states", spec.torch_dtype, width=spec.num_aux * spec.hidden_size, suffix_only=once),
+        Column("last_hidden_state", spec.torch_dtype, width=spec.hidden_size, suffix_only=once),
+    ] + ([
+        # The row's first prefix_len tokens have the states of row prefix_ref (-1: none) of the same shard.
+        Column("prefix_ref", torch.int32, per_token=False),
+        Column("prefix_len", torch.int32, per_token=False),
+    ] if once else [])
 
 
 def arrow_schema(spec: ShardSpec) -> pa.Schema:

@@ -23,9 +23,11 @@ from specgen.capture import TargetCapture, make_capture
 from specgen.capture.layers import default_aux_layers, validate_aux_layers
 from specgen.capture.outputs import SampleOutputs, logprob_statistics
 from specgen.capture.outputs import identity as output_identity
-from specgen.capture.target import config_hash, load_target
+from specgen.capture.reuse import capture_with_prefix_reuse
+from specgen.capture.target import CaptureOutput, config_hash, load_target
 from specgen.config import stage_main, to_container
 from specgen.data.batching import token_budget_batches
+from specgen.data.prefixes import plan_prefixes
 from specgen.data.prepare import prepare_rows
 from specgen.data.sample import TokenizedSample
 from specgen.data.sources import SourceRecord, count_records, iter_records
@@ -35,6 +37,7 @@ from specgen.filters import SampleFilter
 from specgen.outdir import claim_output_dir
 from specgen.progress import Progress, format_table, human_bytes
 from specgen.store.manifest import merge_rejected, summarize_shards, write_manifest
+from specgen.store.prefix_layout import PrefixRefEncoder, bytes_flat
 from specgen.store.schema import ShardSpec
 from specgen.store.writer import ShardWriter, finished_shards, remove_partial, shard_name
 
@@ -74,6 +77,7 @@ class Target:
     pad_id: int
     outputs: SampleOutputs  # what each sample stores besides tokens: hidden states (bf16/fp8), logits, ...
     sample_filter: SampleFilter = SampleFilter()
+    prefix_reuse: bool = False  # capture.prefix_reuse, where the backend can continue from a KV cache
 
 
 def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
@@ -86,10 +90,17 @@ def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
     capture = make_capture(model, aux_layers)
     dtype = str(capture.dtype).removeprefix("torch.")
     outputs = SampleOutputs.from_config(cfg, capture)
-    spec = ShardSpec(hidden_size=capture.hidden_size, num_aux=len(aux_layers), dtype=dtype, **outputs.spec_fields())
+    spec = ShardSpec(hidden_size=capture.hidden_size, num_aux=len(aux_layers), dtype=dtype,
+                     store_prefix_once=bool(cfg.output.store_prefix_once), **outputs.spec_fields())
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if cfg.capture.prefix_reuse and not capture.supports_kv:
+        log.warning("capture.prefix_reuse=true, but the %s capture backend with attn_implementation=%s cannot "
+                    "continue from a KV cache: every row is computed in full (prefix reuse needs a Llama-family "
+                    "model with model.attn_implementation=sdpa or eager)", capture.backend,
+                    model.config._attn_implementation)
     return Target(capture=capture, spec=spec, pad_id=pad_id, outputs=outputs,
-                  sample_filter=SampleFilter.from_config(cfg))
+                  sample_filter=SampleFilter.from_config(cfg),
+                  prefix_reuse=bool(cfg.capture.prefix_reuse) and capture.supports_kv)
 
 
 def capture_batches(target: Target, samples: list[TokenizedSample], *, batch_tokens: int, max_batch_size: int,
@@ -113,6 +124,24 @@ def capture_batches(target: Target, samples: list[TokenizedSample], *, batch_tok
         yield rows, len(batch) * longest
 
 
+def with_output_columns(target: Target, rows: list[dict], device: torch.device) -> tuple[list[dict], int]:
+    """Rows from the prefix-reuse runner carry full hidden states; re-pad them into a batch so the stored columns
+    (fp8 codes, logits, log-probs, pooled vectors) come from the one code path the plain capture uses."""
+    rows, padded = rows
+    if not rows:
+        return rows, padded
+    longest = max(len(row["input_ids"]) for row in rows)
+    input_ids = torch.full((len(rows), longest), target.pad_id, dtype=torch.long, device=device)
+    aux = rows[0]["aux_hidden_states"].new_zeros(len(rows), longest, rows[0]["aux_hidden_states"].shape[-1])
+    last = rows[0]["last_hidden_state"].new_zeros(len(rows), longest, target.spec.hidden_size)
+    for b, row in enumerate(rows):
+        length = len(row["input_ids"])
+        input_ids[b, :length] = torch.tensor(row["input_ids"], device=device)
+        aux[b, :length], last[b, :length] = row.pop("aux_hidden_states"), row.pop("last_hidden_state")
+    target.outputs.add_columns(rows, CaptureOutput(aux_hidden_states=aux, last_hidden_state=last), input_ids)
+    return rows, padded
+
+
 def work_units(records: Iterable[SourceRecord], shard_size: int) -> Iterator[tuple[int, list[SourceRecord]]]:
     """Split the stream into units of `shard_size` source rows; unit k always holds rows [k*S, (k+1)*S)."""
     for unit, group in itertools.groupby(records, key=lambda r: r.index // shard_size):
@@ -128,14 +157,28 @@ def write_unit(cfg: DictConfig, out_dir: Path, unit: int, records: list[SourceRe
         rejected.extend(r.to_json() for r in row.rejections)
     stats = {"source_rows": len(records), "samples": len(samples), "tokens": sum(len(s) for s in samples),
              "trainable_tokens": sum(s.num_trainable for s in samples), "padded_tokens": 0}
+    sequences = [s.input_ids for s in samples]
+    plan = (plan_prefixes(sequences, cfg.capture.prefix_min_tokens)
+            if target.prefix_reuse or target.spec.store_prefix_once else None)
+    stats["tokens_emitted"] = stats["tokens"]
+    stats["tokens_computed"] = plan.tokens_computed if target.prefix_reuse else stats["tokens"]
+    if target.prefix_reuse:
+        batches = (with_output_columns(target, rows, device) for rows in capture_with_prefix_reuse(
+            target.capture, samples, plan, batch_tokens=cfg.capture.batch_tokens,
+            max_batch_size=cfg.capture.max_batch_size, cache_tokens=cfg.capture.prefix_cache_tokens,
+            pad_id=target.pad_id, device=device))
+    else:
+        batches = capture_batches(target, samples, batch_tokens=cfg.capture.batch_tokens,
+                                  max_batch_size=cfg.capture.max_batch_size, device=device,
+                                  chunk_tokens=cfg.capture.prefill_chunk_tokens)
+    encoder = PrefixRefEncoder(plan, sequences) if target.spec.store_prefix_once else None
     with ShardWriter(out_dir, unit, target.spec) as writer:
-        for rows, padded in capture_batches(target, samples, batch_tokens=cfg.capture.batch_tokens,
-                                            max_batch_size=cfg.capture.max_batch_size, device=device,
-                                            chunk_tokens=cfg.capture.prefill_chunk_tokens):
+        for rows, padded in batches:
             rows, rejections = target.sample_filter.apply(rows, stats)
             rejected.extend(rejections)
-            writer.write(rows)
+            writer.write(encoder.encode(rows) if encoder else rows)
             stats["padded_tokens"] += padded
+        stats["tokens_stored"] = encoder.tokens_stored if encoder else stats["tokens"]
         stats["rejected"] = dict(Counter(r["reason"] for r in rejected))
         writer.commit(stats, rejected)
     return stats
@@ -159,7 +202,8 @@ def dataset_identity(cfg: DictConfig, model_config_hash: str, template_sha: str)
             "model.dtype": cfg.model.dtype, "tokenizer.path": str(Path(cfg.tokenizer.path).resolve()),
             "chat_template_sha256": template_sha, "data": to_container(cfg.data),
             "capture.aux_layers": to_container(cfg.capture).get("aux_layers"),
-            "output.shard_size": cfg.output.shard_size, **output_identity(cfg)}
+            "output.shard_size": cfg.output.shard_size, "output.store_prefix_once": cfg.output.store_prefix_once,
+            **output_identity(cfg)}
 
 
 def build_manifest(cfg: DictConfig, out_dir: Path, target: Target, tokenizer, identity: dict) -> dict:
@@ -167,6 +211,7 @@ def build_manifest(cfg: DictConfig, out_dir: Path, target: Target, tokenizer, id
     capture = target.capture
     text_config = capture.model.config.get_text_config()
     counts = count_trainable_token_ids(out_dir, shards, text_config.vocab_size)
+    stats = summarize_shards(out_dir)
     (out_dir / "token_counts.json").write_text(json.dumps(
         {"vocab_size": int(text_config.vocab_size),
          "counts": {str(i): int(c) for i in np.flatnonzero(counts) for c in [counts[i]]}}))
@@ -184,11 +229,32 @@ def build_manifest(cfg: DictConfig, out_dir: Path, target: Target, tokenizer, id
         "codec": "fp8" if target.spec.codec == "fp8" else target.spec.dtype,
         "outputs": {**target.outputs.describe(), "filter": target.sample_filter.describe()},
         "shards": shards,
-        "stats": {**summarize_shards(out_dir),
+        "stats": {**stats,
                   **({"logprobs": logprob_statistics([out_dir / name for name in shards])}
                      if target.spec.token_logprobs else {})},
+        "layout": "prefix_refs" if target.spec.store_prefix_once else "flat",
+        "prefix_reuse": prefix_reuse_report(cfg, target, stats),
         "config": to_container(cfg),
     }
+
+
+def prefix_reuse_report(cfg: DictConfig, target: Target, stats: dict) -> dict:
+    """Tokens run through the target against tokens emitted, bytes stored against a flat layout's."""
+    return {"enabled": target.prefix_reuse, "min_tokens": cfg.capture.prefix_min_tokens,
+            "store_prefix_once": target.spec.store_prefix_once,
+            "tokens_computed": stats.get("tokens_computed", 0), "tokens_emitted": stats.get("tokens_emitted", 0),
+            "bytes_stored": stats["bytes_on_disk"],
+            "bytes_flat": bytes_flat(stats, target.spec) if stats["num_shards"] else 0}
+
+
+def prefix_reuse_summary(report: dict) -> str:
+    computed, emitted = report["tokens_computed"], report["tokens_emitted"]
+    stored, flat = report["bytes_stored"], report["bytes_flat"]
+    compute = (f"{computed:,} tokens computed for {emitted:,} emitted ({emitted / max(computed, 1):.2f}x fewer)"
+               if report["enabled"] else "off: every row computed in full")
+    storage = (f"{human_bytes(stored)} stored vs {human_bytes(flat)} flat ({flat / max(stored, 1):.2f}x smaller)"
+               if report["store_prefix_once"] else "flat layout")
+    return f"{compute}; {storage}"
 
 
 def print_summary(manifest: dict, out_dir: Path, computed_tokens: int, seconds: float) -> None:
@@ -202,8 +268,9 @@ def print_summary(manifest: dict, out_dir: Path, computed_tokens: int, seconds: 
         ("tokens", f"{stats['tokens']:,} ({stats['trainable_tokens']:,} trainable)"),
         ("rejected rows", rejected_text),
         ("bytes on disk", f"{human_bytes(stats['bytes_on_disk'])} ({stats['bytes_per_token'] or 0:,.0f} B/token)"),
+        ("prefix reuse", prefix_reuse_summary(manifest["prefix_reuse"])),
         ("throughput", f"{computed_tokens / max(seconds, 1e-9):,.0f} tokens/s over {computed_tokens:,} tokens "
-                       f"computed in this run ({seconds:.1f}s)" if computed_tokens else
+                       f"captured in this run ({seconds:.1f}s)" if computed_tokens else
                        "nothing left to compute: every shard was already finished"),
     ]))
 

@@ -16,6 +16,7 @@ import torch
 import transformers
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from specgen.capture.kv import EXPLICIT_MASK_ATTENTION, KVRecorder, PastKV, continuation_mask
 from specgen.capture.target import CaptureOutput, TargetCapture
 from specgen.errors import SpecgenError
 
@@ -51,23 +52,39 @@ class LlamaFamilyCapture(TargetCapture):
             raise SpecgenError(f"{type(model).__name__} uses attention layer types {unsupported}, which the llama "
                                f"capture backend does not handle; supported: {sorted(_MASK_BUILDERS)}")
 
-    def _forward(self, input_ids: torch.LongTensor, past_key_values: transformers.Cache | None = None) -> CaptureOutput:
+    @property
+    def supports_kv(self) -> bool:
+        return self.model.config._attn_implementation in EXPLICIT_MASK_ATTENTION
+
+    def _forward(self, input_ids: torch.LongTensor, past_key_values: transformers.Cache | None = None,
+                 past: PastKV | None = None, keep_kv: bool = False) -> CaptureOutput:
         body = self.model.model
         hidden_state = body.embed_tokens(input_ids)
         offset = past_key_values.get_seq_length() if past_key_values is not None else 0
         position_ids = torch.arange(offset, offset + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        if past is None:
+            masks = {
+                kind: _MASK_BUILDERS[kind](config=self.model.config, inputs_embeds=hidden_state, attention_mask=None,
+                                           past_key_values=past_key_values, position_ids=position_ids)
+                for kind in set(self._layer_types)
+            }
+        else:  # rows continue shared prefixes of different lengths: per-row positions and masks
+            position_ids = past.lengths.to(input_ids.device)[:, None] + position_ids
+            masks = {kind: continuation_mask(past.lengths.to(input_ids.device), input_ids.shape[1],
+                                             window=self.model.config.sliding_window if kind == "sliding_attention"
+                                             else None, attn_implementation=self.model.config._attn_implementation,
+                                             dtype=hidden_state.dtype)
+                     for kind in set(self._layer_types)}
         position_embeddings = body.rotary_emb(hidden_state, position_ids)
-        masks = {
-            kind: _MASK_BUILDERS[kind](config=self.model.config, inputs_embeds=hidden_state, attention_mask=None,
-                                       past_key_values=past_key_values, position_ids=position_ids)
-            for kind in set(self._layer_types)
-        }
+        recorder = KVRecorder(past, keep_kv) if past is not None or keep_kv else None
+        cache = recorder if recorder is not None else past_key_values
         aux = self._new_aux_buffer(input_ids)
         for index, decoder_layer in enumerate(body.layers[:self.num_layers]):
             output = decoder_layer(hidden_state, attention_mask=masks[self._layer_types[index]],
                                    position_ids=position_ids, position_embeddings=position_embeddings,
-                                   past_key_values=past_key_values, use_cache=past_key_values is not None)
+                                   past_key_values=cache, use_cache=cache is not None)
             # transformers < 5 returns a tuple whose first element is the hidden state.
             hidden_state = output[0] if isinstance(output, tuple) else output
             self._keep_if_requested(aux, index, hidden_state)
-        return CaptureOutput(aux_hidden_states=aux, last_hidden_state=body.norm(hidden_state))
+        return CaptureOutput(aux_hidden_states=aux, last_hidden_state=body.norm(hidden_state),
+                             kv=recorder.kept_layers(self.num_layers) if recorder is not None else None)

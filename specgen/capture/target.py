@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import torch
 import transformers
 
+from specgen.capture.kv import LayerKV, PastKV
 from specgen.capture.layers import default_aux_layers, validate_aux_layers
 from specgen.errors import SpecgenError
 
@@ -87,6 +88,7 @@ class CaptureOutput:
 
     aux_hidden_states: torch.Tensor  # [B, T, k*H], requested layers concatenated in the requested order
     last_hidden_state: torch.Tensor  # [B, T, H], output of the final norm (the LM head input)
+    kv: list[LayerKV] | None = None  # with keep_kv: per decoder layer, keys and values of the input tokens
 
 
 class TargetCapture(ABC):
@@ -119,15 +121,22 @@ class TargetCapture(ABC):
         """The target's output embedding: `lm_head(last_hidden_state)` gives the target logits."""
         return self.model.get_output_embeddings()
 
+    @property
+    def supports_kv(self) -> bool:
+        """Whether `past` and `keep_kv` work (shared-prefix reuse needs them); see `specgen.capture.kv`."""
+        return False
+
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.LongTensor, lengths: torch.LongTensor,
-                 chunk_tokens: int | None = None) -> CaptureOutput:
+    def __call__(self, input_ids: torch.LongTensor, lengths: torch.LongTensor, chunk_tokens: int | None = None,
+                 past: PastKV | None = None, keep_kv: bool = False) -> CaptureOutput:
         """Capture a RIGHT-padded batch: input_ids [B, T], lengths [B] real tokens per row (1..T).
 
         With right padding every padding key comes after every real query, so the causal mask
         alone keeps real positions exact; padding positions are computed but meaningless.
         chunk_tokens: run at most this many positions per forward (chunked prefill with a KV cache,
-        see `_forward_in_chunks`); None runs the whole sequence at once.
+        see `_forward_in_chunks`); None runs the whole sequence at once. Not combined with `past`/`keep_kv`.
+        past: row b continues `past.lengths[b]` earlier tokens (its positions start there).
+        keep_kv: also return the keys and values of input_ids (`CaptureOutput.kv`) to continue from later.
         """
         if input_ids.dim() != 2 or lengths.shape != input_ids.shape[:1]:
             raise ValueError(f"expected input_ids [B, T] and lengths [B], got {tuple(input_ids.shape)} "
@@ -135,9 +144,22 @@ class TargetCapture(ABC):
         if input_ids.shape[1] == 0 or lengths.min() < 1 or lengths.max() > input_ids.shape[1]:
             raise ValueError(f"lengths must lie in [1, T={input_ids.shape[1]}], got {lengths.tolist()}")
         input_ids = input_ids.to(self.device)
+        if past is not None or keep_kv:
+            return self._continue(input_ids, lengths, past, keep_kv)
         if chunk_tokens is None or input_ids.shape[1] <= chunk_tokens:
             return self._forward(input_ids)
         return self._forward_in_chunks(input_ids, chunk_tokens)
+
+    def _continue(self, input_ids: torch.LongTensor, lengths: torch.LongTensor, past: PastKV | None,
+                  keep_kv: bool) -> CaptureOutput:
+        """Shared-prefix reuse: rows continue their own prefix's keys and values (see `specgen.capture.kv`)."""
+        if not self.supports_kv:
+            raise SpecgenError(f"the {self.backend} capture backend with attn_implementation="
+                               f"{self.model.config._attn_implementation} cannot continue from a KV cache; use a "
+                               f"Llama-family model with model.attn_implementation=sdpa or eager")
+        if past is not None and past.lengths.shape != lengths.shape:
+            raise ValueError(f"past.lengths has shape {tuple(past.lengths.shape)}, expected {tuple(lengths.shape)}")
+        return self._forward(input_ids, past=past, keep_kv=keep_kv)
 
     def _forward_in_chunks(self, input_ids: torch.LongTensor, chunk_tokens: int) -> CaptureOutput:
         """Chunked prefill: positions [s, s + chunk_tokens) at a time, attending to the earlier chunks through

@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 from specgen.errors import SpecgenError
 from specgen.store import fp8
 from specgen.store.manifest import MANIFEST, read_manifest
+from specgen.store.prefix_layout import reassemble_row
 from specgen.store.schema import Column, ShardSpec, arrow_schema, columns
 from specgen.store.writer import finished_shards
 
@@ -71,7 +72,7 @@ class _BatchColumns:
                 offsets = self._offsets[column.name]
                 values = values[offsets[index]:offsets[index + 1]]
             else:
-                values = values[index, ...]  # a 0-d or 1-d view, never a numpy scalar
+                values = values[index, ...]  # a 0-d or 1-d view, never a numpy scalar: torch.from_numpy needs an array
             item[column.name] = _as_tensor(values, column)
         return item
 
@@ -116,9 +117,11 @@ class ShardDataset(Dataset):
         self._batch_locations: list[tuple[int, int]] = []  # (shard, record batch) in order
         self._batch_starts: list[int] = []  # first sample index of each record batch
         self._lengths: list[int] = []
+        self._shard_starts: list[int] = []  # first sample index of each shard (prefix_ref is shard-local)
         for shard, path in enumerate(self.shard_paths):
             reader = _open_shard(path)
             self._check_spec(reader.schema, path)
+            self._shard_starts.append(len(self._lengths))
             for batch_index in range(reader.num_record_batches):
                 offsets = _zero_copy_numpy(reader.get_batch(batch_index).column("input_ids").offsets)
                 self._batch_locations.append((shard, batch_index))
@@ -166,8 +169,16 @@ class ShardDataset(Dataset):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(f"sample index {index} out of range for {len(self)} samples")
+        item = self._stored_row(index)
+        if self.spec.store_prefix_once:  # reassemble the stored codes first: fp8 scales travel with them
+            shard_start = self._shard_starts[bisect.bisect_right(self._shard_starts, index) - 1]
+            item = reassemble_row(item, lambda row: self._stored_row(shard_start + row),
+                                  [column.name for column in self._columns if column.suffix_only])
+        return self._hidden_in_dtype(item)
+
+    def _stored_row(self, index: int) -> dict:
         batch_number = bisect.bisect_right(self._batch_starts, index) - 1
-        return self._hidden_in_dtype(self._batch(batch_number).row(index - self._batch_starts[batch_number]))
+        return self._batch(batch_number).row(index - self._batch_starts[batch_number])
 
     def _hidden_in_dtype(self, item: dict) -> dict:
         """Decode fp8 hidden states (bf16 unless `dtype` says otherwise); cast others when `dtype` is given."""
@@ -198,6 +209,8 @@ def open_shards(path: str | Path, dtype: torch.dtype | None = None) -> ShardData
     Items: `sample_id` (str), `input_ids` and `loss_mask` (LongTensor [T]), `aux_hidden_states`
     ([T, num_aux * hidden]) and `last_hidden_state` ([T, hidden]) in the stored dtype, memory-mapped,
     plus the optional columns the run stored (`ShardSpec`; e.g. `token_logprobs`, `topk_values`).
+    Shards in the store-once layout (`output.store_prefix_once`) come back as the same full rows, reassembled
+    from their stored prefix references (copies rather than views).
 
     dtype: the dtype the hidden states come back in. None keeps the stored dtype zero-copy; fp8
     shards are always decoded (a copy), to bfloat16 unless `dtype` asks for another.

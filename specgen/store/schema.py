@@ -66,6 +66,7 @@ class ShardSpec:
     vocab_size: int = 0          # width of `logits` when logits == "full"
     token_logprobs: bool = False  # `token_logprobs` [T] and `mean_logprob`
     pooled: str = "none"         # how `pooled_hidden_state` pools (POOLED)
+    store_prefix_once: bool = False  # hidden states after prefix_len only; see specgen.store.prefix_layout
 
     def __post_init__(self):
         if self.dtype not in HIDDEN_DTYPES:
@@ -116,6 +117,7 @@ class Column:
     load_as: dtype the reader casts to (a copy); None keeps the stored dtype, zero-copy.
     positions: which positions a per-token list covers: "all" (length T) or "trainable" (the
         positions t with loss_mask[t + 1] == 1, whose hidden state predicts a trained token).
+    suffix_only: a per-token column holding only tokens [prefix_len, T) of the row (the store-once layout).
     """
 
     name: str
@@ -124,6 +126,7 @@ class Column:
     width: int | None = None
     load_as: torch.dtype | None = None
     positions: str = "all"
+    suffix_only: bool = False
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -142,20 +145,26 @@ class Column:
 
 def columns(spec: ShardSpec) -> list[Column]:
     """The stored columns, in file order. This is the one place the column set is defined."""
+    once = spec.store_prefix_once
     return [
         Column("sample_id", str, per_token=False),
         Column("input_ids", torch.int32, load_as=torch.long),
         Column("loss_mask", torch.int8, load_as=torch.long),
-        Column("aux_hidden_states", spec.stored_dtype, width=spec.num_aux * spec.hidden_size),
-        Column("last_hidden_state", spec.stored_dtype, width=spec.hidden_size),
-    ] + _optional_columns(spec)
+        Column("aux_hidden_states", spec.stored_dtype, width=spec.num_aux * spec.hidden_size, suffix_only=once),
+        Column("last_hidden_state", spec.stored_dtype, width=spec.hidden_size, suffix_only=once),
+    ] + _optional_columns(spec) + ([
+        # The row's first prefix_len tokens have the states of row prefix_ref (-1: none) of the same shard.
+        Column("prefix_ref", torch.int32, per_token=False),
+        Column("prefix_len", torch.int32, per_token=False),
+    ] if once else [])
 
 
 def _optional_columns(spec: ShardSpec) -> list[Column]:
     optional = []
-    if spec.codec == "fp8":
-        optional += [Column("aux_hidden_states_scale", torch.float32, width=spec.num_aux),
-                     Column("last_hidden_state_scale", torch.float32)]
+    if spec.codec == "fp8":  # scales travel with their hidden states, so store-once keeps only the suffix's too
+        optional += [Column("aux_hidden_states_scale", torch.float32, width=spec.num_aux,
+                            suffix_only=spec.store_prefix_once),
+                     Column("last_hidden_state_scale", torch.float32, suffix_only=spec.store_prefix_once)]
     if spec.logits == "topk":
         optional += [Column("topk_values", spec.torch_dtype, width=spec.topk, positions="trainable"),
                      Column("topk_indices", torch.int32, width=spec.topk, positions="trainable",

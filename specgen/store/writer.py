@@ -137,8 +137,8 @@ class ShardWriter:
         self._writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self._schema))
 
     def _check_token_counts(self, row: dict) -> None:
-        counts = {column.name: len(row[column.name]) for column in self._columns
-                  if column.per_token and column.positions == "all"}
+        counts = {column.name: len(row[column.name]) + (int(row["prefix_len"]) if column.suffix_only else 0)
+                  for column in self._columns if column.per_token and column.positions == "all"}
         if len(set(counts.values())) > 1:
             raise ValueError(f"sample {row['sample_id']!r}: per-token columns disagree on the token count {counts}")
         # Lists over the trainable positions hold one entry per t with loss_mask[t + 1] == 1.

@@ -171,7 +171,7 @@ def write_unit(cfg: DictConfig, out_dir: Path, unit: int, records: list[SourceRe
         batches = capture_batches(target, samples, batch_tokens=cfg.capture.batch_tokens,
                                   max_batch_size=cfg.capture.max_batch_size, device=device,
                                   chunk_tokens=cfg.capture.prefill_chunk_tokens)
-    encoder = PrefixRefEncoder(plan, sequences) if target.spec.store_prefix_once else None
+    encoder = PrefixRefEncoder(plan, sequences, target.spec) if target.spec.store_prefix_once else None
     with ShardWriter(out_dir, unit, target.spec) as writer:
         for rows, padded in batches:
             rows, rejections = target.sample_filter.apply(rows, stats)

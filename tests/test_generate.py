@@ -186,3 +186,25 @@ def test_verify_passes_and_catches_a_wrong_model(small_target, tmp_path):
     other = build_tiny_model("llama", tmp_path / "other", vocab_size=2048, seed=1, tokenizer_dir=BUNDLED_TOKENIZER)
     bad = subprocess.run([*verify, f"verify.model_path={other}"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 1 and "differs from the HF forward" in bad.stderr
+
+
+def test_prefix_reuse_store_once_and_fp8_outputs_equal_the_plain_run(small_target, tmp_path):
+    """The features compose: reuse + store-once + fp8 + log-probs give the rows the plain flat run gives."""
+    system = "You are a careful assistant. " * 12  # a long shared system prompt: one prefix for every row
+    rows = [{"id": f"r{i}", "messages": [{"role": "system", "content": system},
+                                         {"role": "user", "content": f"Question {i}?"},
+                                         {"role": "assistant", "content": f"Answer number {i}."}]} for i in range(6)]
+    data = tmp_path / "shared_prefix.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    options = [f"data.path={data}", "output.codec=fp8", "capture.token_logprobs=true", "capture.prefix_min_tokens=8"]
+    plain = generate(small_target, tmp_path / "plain", *options, "capture.prefix_reuse=false")
+    reused = generate(small_target, tmp_path / "reused", *options, "capture.prefix_reuse=true",
+                      "output.store_prefix_once=true")
+    assert reused["stats"]["tokens_computed"] < plain["stats"]["tokens_computed"]
+    assert reused["stats"]["bytes_on_disk"] < plain["stats"]["bytes_on_disk"]
+    got = {r["sample_id"]: r for r in load_rows(tmp_path / "reused")}
+    for want in load_rows(tmp_path / "plain"):
+        row = got[want["sample_id"]]
+        assert torch.equal(row["input_ids"], want["input_ids"])
+        for name in ("aux_hidden_states", "last_hidden_state", "token_logprobs"):
+            torch.testing.assert_close(row[name].float(), want[name].float(), rtol=2e-2, atol=2e-2, equal_nan=True)

@@ -17,16 +17,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specgen.data.prefixes import PrefixPlan
-from specgen.store.schema import ShardSpec
-
-HIDDEN_COLUMNS = ("aux_hidden_states", "last_hidden_state")
+from specgen.store.schema import ShardSpec, columns
 
 
 class PrefixRefEncoder:
     """Turns full rows (in the order they are written to one shard) into store-once rows."""
 
-    def __init__(self, plan: PrefixPlan, sequences: Sequence[Sequence[int]]):
+    def __init__(self, plan: PrefixPlan, sequences: Sequence[Sequence[int]], spec: ShardSpec):
         self.plan = plan
+        self._suffix_columns = [column.name for column in columns(spec) if column.suffix_only]  # states (+ fp8 scales)
         # A row's prefix depends on its tokens only, so rows are matched to the plan by their token sequence.
         self._node_of = {tuple(tokens): plan.sample_node[i] for i, tokens in enumerate(sequences)}
         self._owner: dict[int, int] = {}  # prefix node -> the row that stores its segment
@@ -49,7 +48,7 @@ class PrefixRefEncoder:
             for node in chain[stored:]:
                 self._owner[node] = self.rows
             encoded.append({**row, "prefix_ref": prefix_ref, "prefix_len": prefix_len,
-                            **{name: row[name][prefix_len:] for name in HIDDEN_COLUMNS}})
+                            **{name: row[name][prefix_len:] for name in self._suffix_columns}})
             self.rows += 1
             self.tokens_stored += len(row["input_ids"]) - prefix_len
         return encoded

@@ -3,21 +3,25 @@
 Read top to bottom: load the tokenizer and target, claim the output directory, then stream the source in work
 units of `output.shard_size` rows. Each unit becomes one shard, written atomically; units already finished by an
 earlier (possibly killed) run are skipped, so re-running the same command resumes. The manifest is written last.
+
+Under `accelerate launch` each process takes the units `unit % world_size == rank` (`specgen.distributed`); the
+main process writes the manifest once every process is done (`specgen.distributed.monitor`). Within a process,
+tokenizing runs ahead of the target and writing behind it (`specgen.pipeline`).
 """
 
 import itertools
 import json
 import logging
-import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from specgen.capture import TargetCapture, make_capture
 from specgen.capture.layers import default_aux_layers, validate_aux_layers
@@ -32,14 +36,18 @@ from specgen.data.prepare import prepare_rows
 from specgen.data.sample import TokenizedSample
 from specgen.data.sources import SourceRecord, count_records, iter_records
 from specgen.data.template import ChatTemplateTokenizer, chat_template_sha256
+from specgen.distributed import Workers, init_workers, report_error
+from specgen.distributed.monitor import JobMonitor, PeerFailure
+from specgen.distributed.zero import ZeroCapture, load_zero3_target
 from specgen.errors import SpecgenError
 from specgen.filters import SampleFilter
-from specgen.outdir import claim_output_dir
-from specgen.progress import Progress, format_table, human_bytes
+from specgen.outdir import claim_output_dir, fingerprint
+from specgen.pipeline import BackgroundWriter, prefetched, to_device
+from specgen.progress import format_table, human_bytes
 from specgen.store.manifest import merge_rejected, summarize_shards, write_manifest
 from specgen.store.prefix_layout import PrefixRefEncoder, bytes_flat
 from specgen.store.schema import ShardSpec
-from specgen.store.writer import ShardWriter, finished_shards, remove_partial, shard_name
+from specgen.store.writer import finished_shards, remove_partial, shard_name
 
 log = logging.getLogger("specgen.generate")
 
@@ -81,13 +89,20 @@ class Target:
 
 
 def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
-    model = load_target(cfg.model.path, dtype=cfg.model.dtype, device=str(device),
-                        attn_implementation=cfg.model.attn_implementation)
+    if cfg.engine.name == "deepspeed":
+        model, zero3_config, keepalive = load_zero3_target(to_container(cfg.model), to_container(cfg.engine), device)
+    elif cfg.engine.name == "hf":
+        model = load_target(cfg.model.path, dtype=cfg.model.dtype, device=str(device),
+                            attn_implementation=cfg.model.attn_implementation)
+    else:
+        raise SpecgenError(f"engine={cfg.engine.name} is unknown; use engine=hf (the default) or engine=deepspeed")
     num_layers = model.config.get_text_config().num_hidden_layers
     requested = cfg.capture.aux_layers
     aux_layers = (default_aux_layers(num_layers) if requested is None
                   else validate_aux_layers(list(requested), num_layers))
     capture = make_capture(model, aux_layers)
+    if cfg.engine.name == "deepspeed":
+        capture = ZeroCapture(capture, zero3_config, keepalive)
     dtype = str(capture.dtype).removeprefix("torch.")
     outputs = SampleOutputs.from_config(cfg, capture)
     spec = ShardSpec(hidden_size=capture.hidden_size, num_aux=len(aux_layers), dtype=dtype,
@@ -104,16 +119,20 @@ def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
 
 
 def capture_batches(target: Target, samples: list[TokenizedSample], *, batch_tokens: int, max_batch_size: int,
-                    device: torch.device, chunk_tokens: int | None = None) -> Iterator[tuple[list[dict], int]]:
-    """Run length-bucketed batches through the target; yield (rows without padding, padded token count)."""
+                    device: torch.device, chunk_tokens: int | None = None) -> Iterator[tuple[list[dict], int, None]]:
+    """Run length-bucketed batches through the target; yield (rows without padding, padded token count, ready).
+
+    `ready` is the writer's device-to-host event; None here, as the output columns are copied to the host
+    synchronously (fp8 encoding and LM-head columns are computed on the device first).
+    """
     for batch in token_budget_batches(samples, batch_tokens, max_batch_size):
         longest = max(len(s) for s in batch)
         input_ids = torch.full((len(batch), longest), target.pad_id, dtype=torch.long)
         for b, sample in enumerate(batch):
             input_ids[b, : len(sample)] = torch.tensor(sample.input_ids)
-        lengths = torch.tensor([len(s) for s in batch])
-        input_ids = input_ids.to(device)
-        out = target.capture(input_ids, lengths.to(device), chunk_tokens=chunk_tokens)
+        lengths = torch.tensor([len(s) for s in batch])  # stays on the CPU: checking it must not sync the device
+        input_ids = to_device(input_ids, device)
+        out = target.capture(input_ids, lengths, chunk_tokens=chunk_tokens)
         rows = [{
             "sample_id": s.sample_id,
             "source_index": s.source_index,  # not a column: lets a filtered row be listed in rejected.jsonl
@@ -121,7 +140,7 @@ def capture_batches(target: Target, samples: list[TokenizedSample], *, batch_tok
             "loss_mask": s.loss_mask,
         } for s in batch]
         target.outputs.add_columns(rows, out, input_ids)  # hidden states (bf16 or fp8) and the optional columns
-        yield rows, len(batch) * longest
+        yield rows, len(batch) * longest, None
 
 
 def with_output_columns(target: Target, rows: list[dict], device: torch.device) -> tuple[list[dict], int]:
@@ -148,40 +167,77 @@ def work_units(records: Iterable[SourceRecord], shard_size: int) -> Iterator[tup
         yield unit, list(group)
 
 
-def write_unit(cfg: DictConfig, out_dir: Path, unit: int, records: list[SourceRecord], chat: ChatTemplateTokenizer,
-               target: Target, device: torch.device) -> dict:
-    """Tokenize, capture and write one work unit as one shard; returns its stats."""
+@dataclass
+class PreparedUnit:
+    """One work unit, tokenized: what its shard will hold and the stats of its sidecar."""
+
+    index: int
+    source_rows: int
+    samples: list[TokenizedSample]
+    rejected: list[dict]
+    stats: dict
+
+
+def prepare_unit(cfg: DictConfig, unit: int, records: list[SourceRecord], chat: ChatTemplateTokenizer) -> PreparedUnit:
+    """Tokenize one work unit and count what it holds (the shard's padded tokens are added as it is captured)."""
     samples, rejected = [], []
     for row in prepare_rows(records, chat, on_bad_row=cfg.data.on_bad_row):
         samples.extend(row.samples)
         rejected.extend(r.to_json() for r in row.rejections)
     stats = {"source_rows": len(records), "samples": len(samples), "tokens": sum(len(s) for s in samples),
              "trainable_tokens": sum(s.num_trainable for s in samples), "padded_tokens": 0}
-    sequences = [s.input_ids for s in samples]
-    plan = (plan_prefixes(sequences, cfg.capture.prefix_min_tokens)
-            if target.prefix_reuse or target.spec.store_prefix_once else None)
-    stats["tokens_emitted"] = stats["tokens"]
-    stats["tokens_computed"] = plan.tokens_computed if target.prefix_reuse else stats["tokens"]
-    if target.prefix_reuse:
-        batches = (with_output_columns(target, rows, device) for rows in capture_with_prefix_reuse(
-            target.capture, samples, plan, batch_tokens=cfg.capture.batch_tokens,
-            max_batch_size=cfg.capture.max_batch_size, cache_tokens=cfg.capture.prefix_cache_tokens,
-            pad_id=target.pad_id, device=device))
-    else:
-        batches = capture_batches(target, samples, batch_tokens=cfg.capture.batch_tokens,
-                                  max_batch_size=cfg.capture.max_batch_size, device=device,
-                                  chunk_tokens=cfg.capture.prefill_chunk_tokens)
-    encoder = PrefixRefEncoder(plan, sequences, target.spec) if target.spec.store_prefix_once else None
-    with ShardWriter(out_dir, unit, target.spec) as writer:
-        for rows, padded in batches:
+    return PreparedUnit(unit, len(records), samples, rejected, stats)
+
+
+def owned_units(cfg: DictConfig, records: Iterable[SourceRecord], chat: ChatTemplateTokenizer, workers: Workers,
+                done: set[int], monitor: JobMonitor) -> Iterator[PreparedUnit]:
+    """This process's unfinished units, tokenized in order; its finished ones only count towards progress."""
+    for unit, unit_records in work_units(records, cfg.output.shard_size):
+        if not workers.owns(unit):
+            continue
+        if unit in done:
+            monitor.add(rows=len(unit_records))
+            continue
+        yield prepare_unit(cfg, unit, unit_records, chat)
+
+
+def unit_batches(cfg: DictConfig, unit: PreparedUnit, target: Target, plan, device: torch.device):
+    """The unit's captured batches, computed in full or continuing shared prefixes from their KV cache."""
+    if not target.prefix_reuse:
+        yield from capture_batches(target, unit.samples, batch_tokens=cfg.capture.batch_tokens,
+                                   max_batch_size=cfg.capture.max_batch_size, device=device,
+                                   chunk_tokens=cfg.capture.prefill_chunk_tokens)
+        return
+    for batch in capture_with_prefix_reuse(target.capture, unit.samples, plan, batch_tokens=cfg.capture.batch_tokens,
+                                           max_batch_size=cfg.capture.max_batch_size,
+                                           cache_tokens=cfg.capture.prefix_cache_tokens, pad_id=target.pad_id,
+                                           device=device):
+        yield (*with_output_columns(target, batch, device), None)
+
+
+def capture_units(cfg: DictConfig, units: Iterable[PreparedUnit], target: Target, writer: BackgroundWriter,
+                  monitor: JobMonitor, device: torch.device) -> None:
+    """The main thread's loop: capture every unit's batches and hand them to the writer, one shard per unit."""
+    for unit in units:
+        stats, sequences = unit.stats, [s.input_ids for s in unit.samples]
+        plan = (plan_prefixes(sequences, cfg.capture.prefix_min_tokens)
+                if target.prefix_reuse or target.spec.store_prefix_once else None)
+        stats["tokens_emitted"] = stats["tokens"]
+        stats["tokens_computed"] = plan.tokens_computed if target.prefix_reuse else stats["tokens"]
+        encoder = PrefixRefEncoder(plan, sequences, target.spec) if target.spec.store_prefix_once else None
+        writer.begin(unit.index)
+        for rows, padded, ready in unit_batches(cfg, unit, target, plan, device):
             rows, rejections = target.sample_filter.apply(rows, stats)
-            rejected.extend(rejections)
-            writer.write(encoder.encode(rows) if encoder else rows)
+            unit.rejected.extend(rejections)
+            writer.write(encoder.encode(rows) if encoder else rows, ready)
             stats["padded_tokens"] += padded
+            monitor.check()
         stats["tokens_stored"] = encoder.tokens_stored if encoder else stats["tokens"]
-        stats["rejected"] = dict(Counter(r["reason"] for r in rejected))
-        writer.commit(stats, rejected)
-    return stats
+        stats["rejected"] = dict(Counter(r["reason"] for r in unit.rejected))
+        writer.commit(stats, unit.rejected, unit.source_rows)
+        monitor.check()
+    if isinstance(target.capture, ZeroCapture):
+        target.capture.drain()
 
 
 def count_trainable_token_ids(out_dir: Path, shards: list[str], vocab_size: int) -> np.ndarray:
@@ -257,7 +313,7 @@ def prefix_reuse_summary(report: dict) -> str:
     return f"{compute}; {storage}"
 
 
-def print_summary(manifest: dict, out_dir: Path, computed_tokens: int, seconds: float) -> None:
+def print_summary(manifest: dict, out_dir: Path, computed_tokens: int, seconds: float, processes: int = 1) -> None:
     stats = manifest["stats"]
     rejected = stats.get("rejected", {})
     rejected_text = f"{sum(rejected.values()):,}" + (
@@ -270,53 +326,97 @@ def print_summary(manifest: dict, out_dir: Path, computed_tokens: int, seconds: 
         ("bytes on disk", f"{human_bytes(stats['bytes_on_disk'])} ({stats['bytes_per_token'] or 0:,.0f} B/token)"),
         ("prefix reuse", prefix_reuse_summary(manifest["prefix_reuse"])),
         ("throughput", f"{computed_tokens / max(seconds, 1e-9):,.0f} tokens/s over {computed_tokens:,} tokens "
-                       f"captured in this run ({seconds:.1f}s)" if computed_tokens else
+                       f"captured in this run ({seconds:.1f}s, {processes} process{'es' * (processes > 1)})"
+                       if computed_tokens else
                        "nothing left to compute: every shard was already finished"),
     ]))
 
 
-def run(cfg: DictConfig) -> dict:
+def require_shared_output_dir(cfg: DictConfig, workers: Workers) -> None:
+    """With several processes, output.dir must name one directory for all of them (and for the re-run that resumes).
+
+    The default `outputs/generate-${now:...}` resolves to each process's own launch time, so it is refused rather
+    than agreed on: a job that is meant to be resumed after a failure needs a directory the same command finds again.
+    """
+    raw = str(OmegaConf.to_container(cfg.output, resolve=False)["dir"])
+    if workers.world_size > 1 and "${now:" in raw:
+        raise SpecgenError(f"output.dir={raw} depends on each process's launch time, so the {workers.world_size} "
+                           "processes would write to different directories; pass an explicit output.dir=DIR on a "
+                           "filesystem every process sees (re-running the same command then resumes the job)")
+
+
+def claim_for_job(cfg: DictConfig, out_dir: Path, identity: dict, workers: Workers) -> set[int]:
+    """The main process claims output.dir and clears a killed run's leftovers; every process then returns the
+    finished units. Also checks that every process was launched with the same dataset configuration."""
+    problem = None
+    if workers.is_main:
+        try:
+            if claim_output_dir(out_dir, identity, overwrite=cfg.output.overwrite):
+                log.info("resuming in %s", out_dir)
+            remove_partial(out_dir)
+        except SpecgenError as error:
+            problem = str(error)
+    main_problem, main_fingerprint = workers.broadcast((problem, fingerprint(identity)))
+    if main_problem is not None:
+        raise SpecgenError(main_problem)
+    if main_fingerprint != fingerprint(identity):
+        raise SpecgenError(f"process {workers.rank} was launched with a dataset configuration that differs from "
+                           "process 0's (model, tokenizer, data, layers or shard size); launch every machine with "
+                           "the same command")
+    done = set(finished_shards(out_dir))
+    if done:
+        log.info("%d shards already finished in %s", len(done), out_dir)
+    return done
+
+
+def run(cfg: DictConfig) -> dict | None:
+    """Generate the dataset; returns the manifest on the main process and None on the others."""
     if not Path(cfg.model.path).is_dir():
         raise SpecgenError(f"model.path={cfg.model.path} is not a folder; point it at a local Hugging Face model "
                            "folder (config.json + weights)")
-    device = resolve_device(cfg.runtime.device)
+    resolve_device(cfg.runtime.device)  # a one-line error for a device that is not there
+    workers = init_workers(cfg.runtime.device)
+    require_shared_output_dir(cfg, workers)
+    device = workers.device
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     chat = ChatTemplateTokenizer(tokenizer, max_length=cfg.data.max_length, train_turns=cfg.data.train_turns,
                                  mask_empty_think=cfg.data.mask_empty_think,
                                  chat_template_kwargs=to_container(cfg.data)["chat_template_kwargs"])
     target = load_capture(cfg, tokenizer, device)
     identity = dataset_identity(cfg, config_hash(target.capture.model), chat_template_sha256(tokenizer))
-
     out_dir = Path(cfg.output.dir)
-    resumed = claim_output_dir(out_dir, identity, overwrite=cfg.output.overwrite)
-    remove_partial(out_dir)
-    done = finished_shards(out_dir)
-    if resumed:
-        log.info("resuming in %s: %d shards already finished", out_dir, len(done))
+    done = claim_for_job(cfg, out_dir, identity, workers)
 
     records = iter_records(cfg.data.path)
     total = count_records(cfg.data.path)
     if cfg.data.max_rows is not None:
         records = itertools.islice(records, cfg.data.max_rows)
         total = min(total, cfg.data.max_rows) if total is not None else cfg.data.max_rows
-    progress = Progress(total, enabled=cfg.runtime.progress)
-    computed_tokens = 0
-    for unit, unit_records in work_units(records, cfg.output.shard_size):
-        if unit in done:
-            progress.update(len(unit_records), 0)
-            continue
-        stats = write_unit(cfg, out_dir, unit, unit_records, chat, target, device)
-        unit_tokens = stats["tokens"] + stats.get("filtered_tokens", 0)
-        computed_tokens += unit_tokens
-        progress.update(len(unit_records), unit_tokens)
-    seconds = progress.close()
+    monitor = JobMonitor(workers, total, enabled=cfg.runtime.progress, heartbeat_s=cfg.pipeline.heartbeat_s)
+    try:
+        units = prefetched(owned_units(cfg, records, chat, workers, done, monitor), cfg.pipeline.prefetch_units)
+        with closing(units), BackgroundWriter(out_dir, target.spec, depth=cfg.pipeline.write_queue,
+                                              on_batch=lambda tokens: monitor.add(tokens=tokens),
+                                              on_commit=lambda rows: monitor.add(rows=rows)) as writer:
+            capture_units(cfg, units, target, writer, monitor, device)
+        job, seconds = monitor.finish()
+    except BaseException as error:
+        monitor.fail()
+        if workers.world_size > 1 and not isinstance(error, PeerFailure):
+            report_error(f"{type(error).__name__}: {error}")
+        if workers.world_size > 1 and isinstance(error, SpecgenError):
+            raise SpecgenError(f"process {workers.rank} of {workers.world_size}: {error}") from None
+        raise
+    if not workers.is_main:
+        return None
 
     manifest = build_manifest(cfg, out_dir, target, tokenizer, identity)
-    manifest["last_run"] = {"computed_tokens": computed_tokens, "seconds": seconds,
-                            "tokens_per_second": computed_tokens / max(seconds, 1e-9), "device": str(device)}
+    manifest["last_run"] = {"computed_tokens": job.tokens, "seconds": seconds,
+                            "tokens_per_second": job.tokens / max(seconds, 1e-9), "device": str(device),
+                            "processes": workers.world_size, "engine": cfg.engine.name}
     merge_rejected(out_dir)
     write_manifest(out_dir, manifest)
-    print_summary(manifest, out_dir, computed_tokens, seconds)
+    print_summary(manifest, out_dir, job.tokens, seconds, workers.world_size)
     return manifest
 
 

@@ -5,7 +5,12 @@ a rank takes the units with `unit % world_size == rank` that are not finished ye
 therefore be resumed on 2, and a rank that died can be re-run alone, without changing any shard's content.
 """
 
+import json
+import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +34,14 @@ class Workers:
         if self.world_size > 1:
             dist.barrier()
 
+    def broadcast(self, value: Any) -> Any:
+        """The main process's `value` on every process (any picklable object); also a barrier."""
+        if self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
 
 def init_workers(device: str = "auto") -> Workers:
     """Join the process group `accelerate launch` set up (gloo on CPU, nccl on GPU); a plain run is world size 1."""
@@ -42,3 +55,11 @@ def init_workers(device: str = "auto") -> Workers:
         resolved = torch.device(device)
     return Workers(rank=state.process_index, world_size=state.num_processes,
                    local_rank=state.local_process_index, device=resolved)
+
+
+def report_error(message: str) -> None:
+    """Hand this process's error to torchrun's elastic agent (what `accelerate launch` runs), so that its end-of-job
+    failure summary shows the message instead of `error_file: <N/A>`. Does nothing outside torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        Path(path).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))

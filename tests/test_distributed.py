@@ -1,0 +1,234 @@
+"""Scale-out: real `accelerate launch` jobs (gloo on CPU) against the single-process dataset; faults; ZeRO-3.
+
+Every multi-process test launches real processes with `accelerate launch --multi_gpu` (which, on a machine without
+GPUs, starts CPU processes joined by gloo) on a tiny model, 24 rows and 4 rows per shard.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, build_tiny_model
+from specgen import open_shards
+from specgen.assets import ASSETS_DIR
+from specgen.config import compose
+from specgen.generate import run
+
+ROWS, SHARD_SIZE = 24, 4
+LAUNCH_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return build_tiny_model("llama", tmp_path_factory.mktemp("target"), vocab_size=2048,
+                            tokenizer_dir=ASSETS_DIR / "tokenizer")
+
+
+def job_args(model: Path, out_dir: Path, *overrides: str) -> list[str]:
+    return [f"model.path={model}", f"output.dir={out_dir}", "runtime.progress=false", f"data.max_rows={ROWS}",
+            f"output.shard_size={SHARD_SIZE}", "capture.batch_tokens=256", *overrides]
+
+
+@pytest.fixture(scope="module")
+def reference(target, tmp_path_factory) -> Path:
+    """The single-process dataset every multi-process run must reproduce."""
+    out_dir = tmp_path_factory.mktemp("reference") / "out"
+    run(compose("generate", job_args(target, out_dir)))
+    return out_dir
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_cmd(args: list[str], *, processes: int = 2, machines: int = 1, machine_rank: int = 0,
+               port: int | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+           "--num_machines", str(machines), "--mixed_precision", "no", "--dynamo_backend", "no"]
+    if machines > 1:
+        cmd += ["--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1", "--main_process_port",
+                str(port)]
+    return [*cmd, "-m", "specgen.generate", *args]
+
+
+def start(cmd: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def launch(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    proc = start(launch_cmd(args, **kwargs))
+    output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output)
+
+
+def worker_pids(launcher: int) -> dict[int, int]:
+    """rank -> pid of the processes torchrun started under `launcher` (read from /proc)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        rank = next((e[5:] for e in environ if e.startswith(b"RANK=")), None)
+        if ppid == launcher and rank is not None:
+            found[int(rank)] = int(stat.parent.name)
+    return found
+
+
+def wait_for_first_shard(out_dir: Path, proc: subprocess.Popen) -> None:
+    deadline = time.time() + LAUNCH_TIMEOUT
+    while not list(out_dir.glob("shard-*.arrow")):
+        assert proc.poll() is None and time.time() < deadline, "the job ended before writing a shard"
+        time.sleep(0.01)
+
+
+def assert_same_dataset(got_dir: Path, want_dir: Path) -> None:
+    got, want = open_shards(got_dir), open_shards(want_dir)
+    assert [got[i]["sample_id"] for i in range(len(got))] == [want[i]["sample_id"] for i in range(len(want))]
+    for i in range(len(want)):
+        a, b = got[i], want[i]
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        torch.testing.assert_close(a["aux_hidden_states"], b["aux_hidden_states"], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a["last_hidden_state"], b["last_hidden_state"], rtol=1e-4, atol=1e-5)
+    stats = [json.loads((out / "manifest.json").read_text())["stats"] for out in (got_dir, want_dir)]
+    assert stats[0] == stats[1]
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one(target, reference, tmp_path):
+    out_dir = tmp_path / "out"
+    args = job_args(target, out_dir)
+    args[args.index("runtime.progress=false")] = "runtime.progress=true"
+    done = launch(args)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert_same_dataset(out_dir, reference)
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    assert manifest["last_run"]["processes"] == 2
+    assert manifest["last_run"]["computed_tokens"] == manifest["stats"]["tokens"]  # both ranks' tokens, summed
+    assert done.stdout.count("bytes on disk") == 1  # one summary, from the main process
+    bar = [line for line in done.stdout.replace("\r", "\n").splitlines() if line.startswith("generate:")]
+    assert bar and all("/24 " in line for line in bar)  # one bar, counting the whole job's rows (not 12 per rank)
+    assert "24/24 " in bar[-1]
+
+
+@pytest.mark.slow
+def test_two_machines_on_localhost_equal_one(target, reference, tmp_path):
+    out_dir, port = tmp_path / "out", free_port()
+    machines = [start(launch_cmd(job_args(target, out_dir), machines=2, machine_rank=rank, port=port))
+                for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=LAUNCH_TIMEOUT)[0] for proc in machines]
+    assert [proc.returncode for proc in machines] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    assert_same_dataset(out_dir, reference)
+    assert "bytes on disk" in outputs[0] and "bytes on disk" not in outputs[1]
+
+
+@pytest.mark.slow
+def test_a_dead_machine_stops_the_other_with_an_error(target, tmp_path):
+    """No torchrun agent watches both machines: the survivor must notice by itself, and not wait forever."""
+    out_dir, port = tmp_path / "out", free_port()
+    machines = [start(launch_cmd(job_args(target, out_dir), machines=2, machine_rank=rank, port=port))
+                for rank in (0, 1)]
+    wait_for_first_shard(out_dir, machines[0])
+    os.kill(worker_pids(machines[1].pid)[1], signal.SIGKILL)
+    outputs = [proc.communicate(timeout=LAUNCH_TIMEOUT)[0] for proc in machines]
+    assert machines[0].returncode != 0 and machines[1].returncode != 0
+    assert "error: process 0 of 2: lost contact with the other processes" in outputs[0]
+    assert not (out_dir / "manifest.json").exists()
+
+
+@pytest.mark.slow
+def test_resume_on_another_world_size(target, reference, tmp_path):
+    """Start on 2 processes, kill -9 the whole job, finish on 1: the dataset is the uninterrupted one."""
+    out_dir = tmp_path / "out"
+    proc = start(launch_cmd(job_args(target, out_dir)))
+    wait_for_first_shard(out_dir, proc)
+    for pid in [*worker_pids(proc.pid).values(), proc.pid]:
+        os.kill(pid, signal.SIGKILL)
+    proc.communicate()
+    assert not (out_dir / "manifest.json").exists()
+    finished_before = len(list(out_dir.glob("shard-*.arrow")))
+    manifest = run(compose("generate", job_args(target, out_dir)))
+    assert manifest["last_run"]["processes"] == 1
+    assert_same_dataset(out_dir, reference)
+    if finished_before:  # those shards were kept, not recomputed
+        assert manifest["last_run"]["computed_tokens"] < manifest["stats"]["tokens"]
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_rank_then_rerun(target, reference, tmp_path):
+    out_dir = tmp_path / "out"
+    proc = start(launch_cmd(job_args(target, out_dir)))
+    wait_for_first_shard(out_dir, proc)
+    os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
+    output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode != 0 and "SIGKILL" in output  # the launcher stops the job and names the dead rank
+    assert not (out_dir / "manifest.json").exists()
+    again = launch(job_args(target, out_dir))
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert_same_dataset(out_dir, reference)
+
+
+@pytest.mark.slow
+def test_zero3_two_processes_equal_one(target, tmp_path):
+    """ZeRO-3 partitions the target across 2 processes; 5 units for 2 ranks, so one rank runs dummy forwards."""
+    rows = "data.max_rows=20"
+    reference = tmp_path / "reference"
+    run(compose("generate", job_args(target, reference, rows)))
+    out_dir = tmp_path / "out"
+    done = launch(job_args(target, out_dir, rows, "engine=deepspeed",
+                           "engine.config.zero_optimization.stage3_param_persistence_threshold=0"))
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert done.stdout.count("(50%)") == 2  # each process holds half of the parameters
+    assert "dummy forwards" in done.stdout  # the rank with fewer batches kept the other's gathers company
+    assert_same_dataset(out_dir, reference)
+    assert json.loads((out_dir / "manifest.json").read_text())["capture"]["backend"] == "llama+deepspeed-zero3"
+
+
+@pytest.mark.slow
+def test_failing_rank_ends_the_job_with_its_error(target, tmp_path):
+    """A bad row in unit 3 (owned by rank 1) with data.on_bad_row=fail: the job exits non-zero, naming it."""
+    rows = [json.loads(line) for line in (ASSETS_DIR / "chat" / "train.jsonl").read_text().splitlines()[:ROWS]]
+    lines = [json.dumps(row) for row in rows]
+    lines[13] = "{not json"
+    data = tmp_path / "bad.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    started = time.time()
+    done = launch(job_args(target, tmp_path / "out", f"data.path={data}", "data.on_bad_row=fail"))
+    assert done.returncode != 0
+    assert "error: process 1 of 2: row 13" in done.stdout
+    assert "Root Cause" in done.stdout and "SpecgenError: row 13" in done.stdout  # the launcher's summary
+    assert time.time() - started < LAUNCH_TIMEOUT
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_output_dir_must_not_depend_on_launch_time(target, tmp_path):
+    from specgen.distributed import Workers
+    from specgen.errors import SpecgenError
+    from specgen.generate import require_shared_output_dir
+
+    cfg = compose("generate", [f"model.path={target}"])
+    two = Workers(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(SpecgenError, match="explicit output.dir"):
+        require_shared_output_dir(cfg, two)
+    require_shared_output_dir(cfg, Workers(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    require_shared_output_dir(compose("generate", [f"output.dir={tmp_path}"]), two)
+
+
+def test_unknown_engine_is_a_one_line_error(target, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "specgen.generate", f"model.path={target}", "engine.name=nope",
+                           f"output.dir={tmp_path / 'out'}"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        "error: engine=nope is unknown; use engine=hf (the default) or engine=deepspeed"]

@@ -110,7 +110,11 @@ class ZeroCapture(TargetCapture):
         # transformers reads ZeRO-3 settings through a weak reference to this object: keep it alive with the model.
         self._hf_deepspeed_config = hf_deepspeed_config
 
-    def __call__(self, input_ids: torch.LongTensor, lengths: torch.LongTensor) -> CaptureOutput:
+    def __call__(self, input_ids: torch.LongTensor, lengths: torch.LongTensor, chunk_tokens: int | None = None,
+                 **kv_options) -> CaptureOutput:
+        if chunk_tokens is not None or any(value for value in kv_options.values()):
+            raise SpecgenError("engine=deepspeed runs whole sequences only: unset capture.prefill_chunk_tokens "
+                               "(prefix reuse turns itself off under ZeRO-3)")
         self._anyone_has_a_batch(True)
         return super().__call__(input_ids, lengths)
 

@@ -42,7 +42,7 @@ from specgen.distributed.zero import ZeroCapture, load_zero3_target
 from specgen.errors import SpecgenError
 from specgen.filters import SampleFilter
 from specgen.outdir import claim_output_dir, fingerprint
-from specgen.pipeline import BackgroundWriter, prefetched, to_device
+from specgen.pipeline import BackgroundWriter, copy_to_host, prefetched, to_device
 from specgen.progress import format_table, human_bytes
 from specgen.store.manifest import merge_rejected, summarize_shards, write_manifest
 from specgen.store.prefix_layout import PrefixRefEncoder, bytes_flat
@@ -122,8 +122,8 @@ def capture_batches(target: Target, samples: list[TokenizedSample], *, batch_tok
                     device: torch.device, chunk_tokens: int | None = None) -> Iterator[tuple[list[dict], int, None]]:
     """Run length-bucketed batches through the target; yield (rows without padding, padded token count, ready).
 
-    `ready` is the writer's device-to-host event; None here, as the output columns are copied to the host
-    synchronously (fp8 encoding and LM-head columns are computed on the device first).
+    The rows' tensors may be host tensors still being copied from the device: read them after
+    `ready.synchronize()` (`ready` is None on the CPU, and when the output columns were copied synchronously).
     """
     for batch in token_budget_batches(samples, batch_tokens, max_batch_size):
         longest = max(len(s) for s in batch)
@@ -139,8 +139,15 @@ def capture_batches(target: Target, samples: list[TokenizedSample], *, batch_tok
             "input_ids": s.input_ids,
             "loss_mask": s.loss_mask,
         } for s in batch]
-        target.outputs.add_columns(rows, out, input_ids)  # hidden states (bf16 or fp8) and the optional columns
-        yield rows, len(batch) * longest, None
+        if target.outputs.hidden_states_only:  # copied down on a side stream; the writer waits for `ready`
+            out, ready = copy_to_host(out)
+            for b, row in enumerate(rows):
+                row["aux_hidden_states"] = out.aux_hidden_states[b, : len(row["input_ids"])]
+                row["last_hidden_state"] = out.last_hidden_state[b, : len(row["input_ids"])]
+        else:  # fp8 codes, LM-head columns and pooled vectors are computed on the device first
+            target.outputs.add_columns(rows, out, input_ids)
+            ready = None
+        yield rows, len(batch) * longest, ready
 
 
 def with_output_columns(target: Target, rows: list[dict], device: torch.device) -> tuple[list[dict], int]:

@@ -116,6 +116,11 @@ class SampleOutputs:
         return self.capture.lm_head.weight.shape[0]
 
     @property
+    def hidden_states_only(self) -> bool:
+        """Nothing to compute on the device after the forward: the states can go straight to the host."""
+        return self.codec != "fp8" and not self.uses_lm_head and self.pooled == "none"
+
+    @property
     def uses_lm_head(self) -> bool:
         return self.logits != "none" or self.token_logprobs
 

@@ -87,6 +87,8 @@ def run(cfg: DictConfig) -> dict:
         raise SpecgenError("pass draft.path=CKPT: the output.dir of specgen.train")
     if cfg.eval.turns not in TURNS:
         raise SpecgenError(f"eval.turns must be one of {list(TURNS)}, got {cfg.eval.turns!r}")
+    if cfg.runtime.threads:
+        torch.set_num_threads(cfg.runtime.threads)
     info = specgen_info(read_draft_config(cfg.draft.path))
     target_path = cfg.model.path or info.get("target", {}).get("path")
     if target_path is None:

@@ -83,6 +83,8 @@ def run(cfg: DictConfig) -> dict:
     if cfg.mode not in MODES:
         raise SpecgenError(f"mode={cfg.mode!r} is unknown; use mode=offline (data.shards) or mode=online "
                            "(model.path + data.path)")
+    if cfg.runtime.threads:
+        torch.set_num_threads(cfg.runtime.threads)
     accelerator = _accelerator(cfg)
     device, is_main = accelerator.device, accelerator.is_main_process
     out_dir = Path(cfg.output.dir)
@@ -222,7 +224,7 @@ def online_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> Train
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     chat = ChatTemplateTokenizer(tokenizer, max_length=cfg.data.max_length, train_turns=cfg.data.train_turns,
                                  mask_empty_think=cfg.data.mask_empty_think,
-                                 chat_template_kwargs=to_container(cfg.data.chat_template_kwargs))
+                                 chat_template_kwargs=to_container(cfg.data)["chat_template_kwargs"])
     samples = tokenize_source(cfg.data.path, chat, max_rows=cfg.data.max_rows, on_bad_row=cfg.data.on_bad_row)
     model = load_target(cfg.model.path, dtype=cfg.model.dtype, device=str(device),
                         attn_implementation=cfg.model.attn_implementation)

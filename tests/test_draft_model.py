@@ -18,6 +18,15 @@ PUBLISHED_NAMES = {  # yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, as read by vLLM / SG
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: a second CPU thread only adds synchronisation, which stalls badly on a busy machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def tiny_target_config(**kwargs) -> transformers.LlamaConfig:
     return transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
                                     num_attention_heads=4, num_key_value_heads=2, **kwargs)

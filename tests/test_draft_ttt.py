@@ -15,7 +15,7 @@ from specgen.draft.ttt import (
     ttt_forward,
 )
 from specgen.draft.vocab import VocabMapping
-from tests.test_draft_model import tiny_draft, unroll
+from tests.test_draft_model import one_thread, tiny_draft, unroll  # noqa: F401 (fixture)
 
 # A conversation: two prompt tokens, a 3-token reply, one prompt token, a 1-token reply.
 #            index:  0  1  2  3  4  5  6

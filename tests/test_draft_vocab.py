@@ -15,6 +15,7 @@ from specgen.draft.vocab import (
     write_token_counts,
 )
 from specgen.errors import SpecgenError
+from tests.test_draft_model import one_thread  # noqa: F401 (fixture)
 
 
 def test_keeps_the_most_frequent_trained_tokens_in_target_id_order():

@@ -7,12 +7,13 @@ import torch
 import transformers
 
 from specgen.assets import ASSETS_DIR
+from specgen.config import compose
 from specgen.draft.checkpoint import save_draft
 from specgen.draft.model import Eagle3Draft, draft_config
 from specgen.draft.speculative import TargetRunner, greedy_generate, speculative_generate
 from specgen.evaluate import read_prompts
 from tests.conftest import DATASETS, build_tiny_model, require_shared
-from tests.test_train import stage_config
+from tests.test_draft_model import one_thread  # noqa: F401 (fixture)
 
 AUX = [1, 3, 4]
 
@@ -79,9 +80,9 @@ def test_evaluate_stage_on_mt_bench_prompts(target_dir, tmp_path):
     ckpt = tmp_path / "draft"
     save_draft(draft, ckpt, {"target": {"path": str(target_dir)}, "aux_layers": AUX})
     mt_bench = require_shared(DATASETS["mt_bench"])
-    report = run(stage_config("evaluate", [f"draft.path={ckpt}", f"data.path={mt_bench}", "eval.max_prompts=3",
+    report = run(compose("evaluate", [f"draft.path={ckpt}", f"data.path={mt_bench}", "eval.max_prompts=3",
                                            "eval.max_new_tokens=12", f"output.dir={tmp_path / 'eval'}",
-                                           "runtime.progress=false"]))
+                                           "runtime.progress=false", "runtime.threads=1"]))
     written = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert written == json.loads(json.dumps(report))
     assert written["matches_target_greedy"] is True and written["num_prompts"] == 3

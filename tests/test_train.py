@@ -6,26 +6,18 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
 from safetensors.torch import load_file
 
 from specgen.assets import ASSETS_DIR
-from specgen.config import CONF_DIR, _hydra_argv
+from specgen.config import compose
 from specgen.draft.checkpoint import load_draft
 from specgen.errors import SpecgenError
 from tests.conftest import build_tiny_model
-from tests.test_draft_model import PUBLISHED_NAMES
+from tests.test_draft_model import PUBLISHED_NAMES, one_thread  # noqa: F401 (fixture)
 
 ROWS = 12  # conversations of the bundled corpus used by these tests
-QUICK = ["train.num_workers=0", "runtime.progress=false", "train.tensorboard=false", "train.batch_tokens=256",
-         "train.ttt_length=3", "draft.vocab_size=300", "train.log_every=1", "train.lr=1e-3"]
-
-
-def stage_config(stage: str, overrides: list[str]) -> DictConfig:
-    """The config `python -m specgen.<stage> ...overrides` would run with."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name=stage, overrides=_hydra_argv(overrides))
+QUICK = ["train.num_workers=0", "runtime.progress=false", "runtime.threads=1", "train.tensorboard=false",
+         "train.batch_tokens=256", "train.ttt_length=3", "draft.vocab_size=300", "train.log_every=1", "train.lr=1e-3"]
 
 
 def data_overrides() -> list[str]:
@@ -44,7 +36,7 @@ def shards(target, tmp_path_factory) -> Path:
     from specgen.generate import run as generate
 
     out = tmp_path_factory.mktemp("shards")
-    generate(stage_config("generate", [f"model.path={target}", f"output.dir={out}", "output.shard_size=5",
+    generate(compose("generate", [f"model.path={target}", f"output.dir={out}", "output.shard_size=5",
                                        "runtime.progress=false", *data_overrides()]))
     return out
 
@@ -52,7 +44,7 @@ def shards(target, tmp_path_factory) -> Path:
 def train(overrides: list[str]) -> dict:
     from specgen.train import run
 
-    return run(stage_config("train", [*QUICK, *overrides]))
+    return run(compose("train", [*QUICK, *overrides]))
 
 
 def metrics(ckpt: Path) -> list[dict]:

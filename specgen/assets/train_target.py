@@ -8,7 +8,7 @@ conversation is its context, the assistant replies (the data stage's loss mask) 
 answer and to end its turn rather than to imitate role headers. `chat/heldout.jsonl` is never seen here; the demo
 evaluates the draft on it.
 
-Run: python -m specgen.assets.train_target [--epochs 4] [--threads 2]
+Run: python -m specgen.assets.train_target [--epochs 4] [--threads 1]   (about 15 minutes on one core)
 Writes tiny-target/ (config.json, generation_config.json, bf16 model.safetensors of ~4 MB, tokenizer files).
 """
 
@@ -79,9 +79,11 @@ def collate(batch: list[TokenizedSample], pad_id: int) -> tuple[torch.Tensor, to
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--batch-tokens", type=int, default=8192)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--threads", type=int, default=2, help="CPU threads (the machine may be shared)")
+    parser.add_argument("--batch-tokens", type=int, default=2048)
+    parser.add_argument("--lr", type=float, default=6e-3)
+    # One thread: matrices 128 wide gain little from a second one, and on a shared, oversubscribed CPU a second
+    # OpenMP thread that waits for a descheduled partner made steps 15x slower here.
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=OUT_DIR)
     args = parser.parse_args()
@@ -123,14 +125,16 @@ def main() -> None:
 
 
 def save(model: transformers.LlamaForCausalLM, tokenizer, out_dir: Path) -> None:
-    """Replace `out_dir` with the bf16 weights, config, generation config and the tokenizer (so model.path is enough)."""
+    """Replace `out_dir` with the bf16 weights, config and generation config, plus a copy of the tokenizer files
+    (so model.path alone is enough). The files are copied rather than re-saved: tokenizing with truncation leaves
+    a truncation setting on the loaded tokenizer that save_pretrained would persist."""
     if out_dir.exists():
         shutil.rmtree(out_dir)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.to(torch.bfloat16).save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-
+    for file in TOKENIZER_DIR.iterdir():
+        shutil.copy(file, out_dir / file.name)
 
 if __name__ == "__main__":
     main()

@@ -58,6 +58,7 @@ def draft_config(target_config: transformers.PretrainedConfig, *, aux_layers: li
     text = target_config.get_text_config()
     fields = {key: getattr(text, key) for key in _INHERITED if getattr(text, key, None) is not None}
     fields.setdefault("head_dim", text.hidden_size // text.num_attention_heads)
+    fields.setdefault("intermediate_size", 4 * text.hidden_size)  # targets without one (GPT-2: n_inner=None)
     unknown = sorted(set(overrides or {}) - set(OVERRIDABLE))
     if unknown:
         raise SpecgenError(f"draft.overrides has keys {unknown} that cannot be overridden; allowed: "

@@ -9,7 +9,7 @@ To add a column (fp8 codes and scales, top-k logits, token log-probs, pooled vec
 `ShardSpec` the field that turns it on and append a `Column` in `columns()`. The writer and reader
 are generic over `Column`, and the spec travels in the schema metadata, so old shards keep loading.
 
-The optional outputs (all off by default; see `specgen.capture.derived` and `specgen.store.fp8`):
+The optional outputs (all off by default; see `specgen.capture.outputs` and `specgen.store.fp8`):
 
 * codec "fp8": hidden states as float8 e4m3 codes (uint8 bit patterns) plus float32 scales,
   `aux_hidden_states_scale` [T, k] (one per token per aux layer) and `last_hidden_state_scale` [T];

@@ -190,14 +190,14 @@ def _print_report(report: dict, out_dir: Path) -> None:
     per_category = ", ".join(f"{name} {values['acceptance_length']:.2f} ({values['turns']})"
                              for name, values in report["per_category"].items()
                              if values["acceptance_length"] is not None)
-    speed = report["tokens_per_s"]
+    speed, mismatched = report["tokens_per_s"], report["mismatched_turns"]
     print(format_table([
         ("acceptance length", f"{report['acceptance_length']:.3f} tokens per verification "
                               f"(K={report['num_draft_tokens']}, ceiling {report['num_draft_tokens'] + 1})"),
         ("per category", per_category),
         ("accepted drafts", " ".join(f"{k}:{n}" for k, n in enumerate(report["accepted_histogram"]))),
         ("lossless", "yes: identical to the target's greedy output" if report["matches_target_greedy"] else
-                     f"NO: {len(report['mismatched_turns'])} turns differ ({', '.join(report['mismatched_turns'][:5])})"),
+                     f"NO: {len(mismatched)} turns differ ({', '.join(mismatched[:5])})"),
         ("prompts", f"{report['num_prompts']} ({report['num_turns']} turns, {report['new_tokens']:,} tokens)"),
         ("tokens/s", f"speculative {speed['speculative']:,.1f}, target greedy {speed['target_greedy']:,.1f}"),
         ("report", str(out_dir / "eval.json")),

@@ -88,7 +88,7 @@ class _Window:
 
 
 class DraftTrainer:
-    """Runs the loop. `save_checkpoint(state)` writes the draft (main process) and `backend.save` the optimizer."""
+    """Runs the loop. `save_draft(state)` writes the draft (main process only), `backend.save` the optimizer."""
 
     def __init__(self, *, backend: Backend, head: TargetHead, source: BatchSource, settings: LoopSettings,
                  out_dir: Path, save_draft: Callable[[TrainerState], None], is_main: bool,

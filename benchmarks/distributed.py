@@ -131,7 +131,9 @@ def setup(model: Path, args, work: Path, *extra: str):
     from specgen.data.sources import iter_records
     from specgen.data.template import ChatTemplateTokenizer
     from specgen.distributed import init_workers
-    from specgen.generate import load_capture, load_tokenizer, prepare_unit, work_units
+    from specgen.data.sources import work_units
+    from specgen.generate import load_capture, prepare_unit
+    from specgen.runtime import load_tokenizer
 
     cfg = compose("generate", generate_args(model, work, args, *extra))
     workers = init_workers(cfg.runtime.device)

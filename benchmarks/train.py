@@ -6,9 +6,9 @@ In one run, on the same target, data, draft initialisation and batch plan:
   (a) offline, batches read from shards by the DataLoader (for each --workers value),
   (b) offline, the same batches materialised in memory first (no data loading in the loop): the limit for (a),
   (c) online, the target captures every batch inside the loop (nothing on disk).
-Each variant runs --warmup steps untimed, then --steps timed optimizer steps, fetching batches inside the timed
-region; the time spent waiting for the next batch is measured on its own. Target: data loading costs <= 5% of the
-step time, i.e. the DataLoader variants wait < 5% and run at >= 0.95 x the in-memory tokens/s.
+Each variant runs --warmup steps untimed, then --steps timed optimizer steps, round-robin a few steps at a time so
+a change in machine load hits every variant alike; fetching a batch is timed on its own ("waiting"). Target: data
+loading costs <= 5% of the step time: the DataLoader variants wait < 5% and run at >= 0.95 x the in-memory speed.
 Shards are generated first with specgen.generate (into a temporary folder, or --shards to reuse).
 """
 
@@ -16,6 +16,8 @@ import argparse
 import itertools
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,11 +26,15 @@ from specgen.assets import ASSETS_DIR
 from specgen.config import compose
 from specgen.draft.batches import BatchPlan
 from specgen.draft.distributed import DDPBackend
+from specgen.draft.offline import OfflineBatches
 from specgen.draft.target_head import TargetHead
 from specgen.draft.trainer import DraftTrainer, LoopSettings
 from specgen.draft.ttt import DraftBatch, TTTObjective
 from specgen.draft.vocab import VocabMapping
 from specgen.train import TrainingData, build_draft, offline_data, online_data
+
+
+ROUND_STEPS = 4  # steps per variant per round-robin round
 
 
 def make_trainer(cfg, data: TrainingData, out_dir: Path) -> DraftTrainer:
@@ -47,23 +53,28 @@ def make_trainer(cfg, data: TrainingData, out_dir: Path) -> DraftTrainer:
                         save_draft=lambda state: None, is_main=True, progress=False)
 
 
-def timed(trainer: DraftTrainer, batches, warmup: int, steps: int) -> tuple[float, float, int]:
-    """(tokens/s, fraction of the time spent waiting for batches, tokens) over `steps` steps after `warmup`.
+@dataclass
+class Variant:
+    """One way of feeding the loop, with its own trainer and its time and token counts so far."""
 
-    The wait is measured directly around the fetch of each batch, so it does not depend on how busy the machine is
-    while the variants run one after another (tokens/s does: compare variants only on a quiet machine)."""
-    iterator = iter(batches)
-    for batch in itertools.islice(iterator, warmup):
-        trainer.train_batch(batch)
-    tokens, waiting, start = 0, 0.0, time.perf_counter()
-    for _ in range(steps):
-        fetch = time.perf_counter()
-        batch = next(iterator)
-        waiting += time.perf_counter() - fetch
-        trainer.train_batch(batch)
-        tokens += batch.num_tokens
-    elapsed = time.perf_counter() - start
-    return tokens / elapsed, waiting / elapsed, tokens
+    name: str
+    trainer: DraftTrainer
+    batches: Iterator[DraftBatch]
+    seconds: float = 0.0
+    waiting: float = 0.0
+    tokens: int = 0
+
+    def run(self, steps: int, timed: bool = True) -> None:
+        """`steps` optimizer steps; the time spent fetching each batch is measured on its own."""
+        for _ in range(steps):
+            start = time.perf_counter()
+            batch = next(self.batches)
+            fetched = time.perf_counter()
+            self.trainer.train_batch(batch)
+            if timed:
+                self.waiting += fetched - start
+                self.seconds += time.perf_counter() - start
+                self.tokens += batch.num_tokens
 
 
 def main() -> None:
@@ -97,32 +108,42 @@ def main() -> None:
                                 f"train.ttt_length={args.ttt_length}", "runtime.device=cpu"])
         plan = BatchPlan(batch_tokens=args.batch_tokens, max_batch_size=None, seed=0)
         needed = args.warmup + args.steps
-        rows = []
         offline = offline_data(cfg, plan, torch.device("cpu"))
         if offline.source.batches_per_epoch() < needed:
             raise SystemExit(f"only {offline.source.batches_per_epoch()} batches: raise --rows or lower --steps")
+        variants = []
         for workers in args.workers:
-            offline.source.num_workers = workers
-            rows.append((f"offline, DataLoader {workers} workers",
-                         *timed(make_trainer(cfg, offline, tmp), offline.source.epoch(0), args.warmup, args.steps)))
+            source = OfflineBatches(offline.source.dataset, plan, num_workers=workers)
+            variants.append(Variant(f"offline, DataLoader {workers} workers", make_trainer(cfg, offline, tmp),
+                                    iter(source.epoch(0))))
         in_memory = [DraftBatch(*(t.clone() for t in (b.input_ids, b.loss_mask, b.aux_hidden_states,
                                                       b.last_hidden_state, b.lengths)))
                      for b in itertools.islice(offline.source.epoch(0), needed)]
-        rows.append(("offline, batches in memory",
-                     *timed(make_trainer(cfg, offline, tmp), in_memory, args.warmup, args.steps)))
+        variants.append(Variant("offline, batches in memory", make_trainer(cfg, offline, tmp), iter(in_memory)))
         online = online_data(cfg, plan, torch.device("cpu"))
-        rows.append(("online, target in the loop (capture in the wait)",
-                     *timed(make_trainer(cfg, online, tmp), online.source.epoch(0), args.warmup, args.steps)))
+        variants.append(Variant("online, target in the loop (capture = waiting)", make_trainer(cfg, online, tmp),
+                                iter(online.source.epoch(0))))
+        for variant in variants:
+            variant.run(args.warmup, timed=False)
+        # Round-robin, a few steps at a time, so a change in machine load hits every variant alike.
+        for _ in range(args.steps // ROUND_STEPS):
+            for variant in variants:
+                variant.run(ROUND_STEPS)
 
-    memory_speed = next(speed for name, speed, _, _ in rows if name.startswith("offline, batches in memory"))
-    print(f"\ndraft training on {args.target.name}, {args.steps} timed steps of <= {args.batch_tokens} padded tokens, "
-          f"TTT {args.ttt_length}, {args.threads} threads")
+    memory = next(v for v in variants if v.name.startswith("offline, batches in memory"))
+    memory_speed = memory.tokens / memory.seconds
+    print(f"\ndraft training on {args.target.name}, {args.steps} timed steps of <= {args.batch_tokens} padded tokens "
+          f"per variant, TTT {args.ttt_length}, {args.threads} threads")
     print(f"{'variant':<50} {'tokens/s':>9} {'vs memory':>10} {'waiting':>8} {'tokens':>8}")
-    for name, speed, waiting, tokens in rows:
-        print(f"{name:<50} {speed:>9,.0f} {speed / memory_speed:>10.3f} {100 * waiting:>7.1f}% {tokens:>8,}")
-    for name, _, waiting, _ in rows:
-        if name.startswith("offline, DataLoader"):
-            print(f"data loading cost ({name.split(', ')[1]}): {100 * waiting:.2f}% of step time (target <= 5%)")
+    for v in variants:
+        speed = v.tokens / v.seconds
+        print(f"{v.name:<50} {speed:>9,.0f} {speed / memory_speed:>10.3f} {100 * v.waiting / v.seconds:>7.2f}% "
+              f"{v.tokens:>8,}")
+    for v in variants:
+        if v.name.startswith("offline, DataLoader"):
+            print(f"data loading cost ({v.name.split(', ')[1]}): {100 * v.waiting / v.seconds:.2f}% of step time, "
+                  f"{100 * (memory_speed * v.seconds / v.tokens - 1):+.1f}% time per token vs memory (target <= 5%)")
+
 
 if __name__ == "__main__":
     main()

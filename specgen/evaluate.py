@@ -26,7 +26,7 @@ from specgen.data.sources import iter_records
 from specgen.draft.checkpoint import load_draft, read_draft_config, specgen_info
 from specgen.draft.speculative import Generation, TargetRunner, greedy_generate, speculative_generate
 from specgen.errors import RowError, SpecgenError
-from specgen.generate import load_tokenizer, resolve_device
+from specgen.runtime import load_tokenizer, resolve_device
 from specgen.progress import format_table
 
 log = logging.getLogger("specgen.evaluate")

@@ -34,7 +34,7 @@ from specgen.data.batching import token_budget_batches
 from specgen.data.prefixes import plan_prefixes
 from specgen.data.prepare import prepare_rows
 from specgen.data.sample import TokenizedSample
-from specgen.data.sources import SourceRecord, count_records, iter_records
+from specgen.data.sources import SourceRecord, count_records, iter_records, work_units
 from specgen.data.template import ChatTemplateTokenizer, chat_template_sha256
 from specgen.distributed import Workers, init_workers, report_error
 from specgen.distributed.monitor import JobMonitor, PeerFailure
@@ -44,6 +44,7 @@ from specgen.filters import SampleFilter
 from specgen.outdir import claim_output_dir, fingerprint
 from specgen.pipeline import BackgroundWriter, copy_to_host, prefetched, to_device
 from specgen.progress import format_table, human_bytes
+from specgen.runtime import load_tokenizer, resolve_device
 from specgen.store.manifest import merge_rejected, summarize_shards, write_manifest
 from specgen.store.prefix_layout import PrefixRefEncoder, bytes_flat
 from specgen.store.schema import ShardSpec
@@ -53,27 +54,6 @@ log = logging.getLogger("specgen.generate")
 
 AUX_LAYER_CONVENTION = ("aux layer i is the output of decoder layer i (0-based) before the final norm, "
                         "i.e. Hugging Face hidden_states[i + 1]")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecgenError(f"runtime.device={name} but no CUDA device is visible; use runtime.device=cpu")
-    return torch.device(name)
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    if not Path(path).is_dir():
-        raise SpecgenError(f"tokenizer.path={path} is not a folder; point it at a Hugging Face tokenizer folder "
-                           "(it defaults to model.path)")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if not tokenizer.chat_template:
-        raise SpecgenError(f"the tokenizer in {path} has no chat template; use an instruct/chat tokenizer or "
-                           "add chat_template.jinja to the folder")
-    return tokenizer
 
 
 @dataclass
@@ -166,12 +146,6 @@ def with_output_columns(target: Target, rows: list[dict], device: torch.device) 
         aux[b, :length], last[b, :length] = row.pop("aux_hidden_states"), row.pop("last_hidden_state")
     target.outputs.add_columns(rows, CaptureOutput(aux_hidden_states=aux, last_hidden_state=last), input_ids)
     return rows, padded
-
-
-def work_units(records: Iterable[SourceRecord], shard_size: int) -> Iterator[tuple[int, list[SourceRecord]]]:
-    """Split the stream into units of `shard_size` source rows; unit k always holds rows [k*S, (k+1)*S)."""
-    for unit, group in itertools.groupby(records, key=lambda r: r.index // shard_size):
-        yield unit, list(group)
 
 
 @dataclass

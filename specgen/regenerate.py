@@ -28,7 +28,8 @@ from specgen.data.sources import count_records, iter_records
 from specgen.data.template import chat_template_sha256
 from specgen.distributed import Workers, init_workers
 from specgen.errors import SpecgenError
-from specgen.generate import load_tokenizer, work_units
+from specgen.data.sources import work_units
+from specgen.runtime import load_tokenizer
 from specgen.outdir import claim_output_dir
 from specgen.progress import Progress, format_table
 from specgen.regen.engine import Generator, Sampling

@@ -53,6 +53,7 @@ from specgen.draft.vocab import (
 )
 from specgen.errors import SpecgenError
 from specgen.progress import format_table
+from specgen.runtime import load_tokenizer, resolve_device
 from specgen.store.reader import open_shards
 
 log = logging.getLogger("specgen.train")
@@ -149,10 +150,7 @@ def _accelerator(cfg: DictConfig):
     """The process group (gloo on CPU, nccl on GPU) and TensorBoard tracker, via accelerate."""
     from accelerate import Accelerator
 
-    device = cfg.runtime.device
-    use_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecgenError(f"runtime.device={device} but no CUDA device is visible; use runtime.device=cpu")
+    use_cpu = resolve_device(cfg.runtime.device).type == "cpu"
     return Accelerator(cpu=use_cpu, log_with="tensorboard" if cfg.train.tensorboard else None,
                        project_dir=cfg.output.dir)
 
@@ -217,7 +215,6 @@ def offline_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> Trai
 
 def online_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> TrainingData:
     """Conversations of `data.path`, tokenized up front, captured by the target (model.path) batch by batch."""
-    from specgen.generate import load_tokenizer
 
     if cfg.model.path is None:
         raise SpecgenError("mode=online runs the target in the loop: pass model.path=TARGET (and data.path=DATA)")

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from specgen.capture.target import config_hash, load_target
 from specgen.config import stage_main
 from specgen.errors import SpecgenError
-from specgen.generate import resolve_device
+from specgen.runtime import resolve_device
 from specgen.progress import format_table
 from specgen.store.manifest import read_manifest
 from specgen.store.reader import open_shards

@@ -7,8 +7,9 @@ one source, e.g. the `part-*.jsonl` files `specgen.regenerate` writes). Each row
 carries a `RowError` instead of a record so the caller can reject that row and go on.
 """
 
+import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -267,3 +268,9 @@ def _load_saved_dataset(path: Path):
 def _saved_dataset_records(dataset) -> Iterator[SourceRecord]:
     for index, row in enumerate(dataset):  # memory-mapped Arrow: rows are read as they are iterated
         yield SourceRecord(index, row, None)
+
+
+def work_units(records: Iterable[SourceRecord], shard_size: int) -> Iterator[tuple[int, list[SourceRecord]]]:
+    """Split the stream into units of `shard_size` source rows; unit k always holds rows [k*S, (k+1)*S)."""
+    for unit, group in itertools.groupby(records, key=lambda r: r.index // shard_size):
+        yield unit, list(group)

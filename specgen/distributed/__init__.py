@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from specgen.runtime import resolve_device
+
 
 @dataclass(frozen=True)
 class Workers:
@@ -47,8 +49,7 @@ def init_workers(device: str = "auto") -> Workers:
     """Join the process group `accelerate launch` set up (gloo on CPU, nccl on GPU); a plain run is world size 1."""
     from accelerate import PartialState
 
-    use_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    state = PartialState(cpu=use_cpu)
+    state = PartialState(cpu=resolve_device(device).type == "cpu")
     if device in ("auto", "cpu") or state.num_processes > 1:
         resolved = state.device
     else:

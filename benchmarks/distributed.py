@@ -54,7 +54,8 @@ def build_model(out_dir: Path, hidden: int, layers: int, dtype: str) -> Path:
 
 
 def generate_args(model: Path, out_dir: Path, args, *extra: str) -> list[str]:
-    return [f"model.path={model}", f"output.dir={out_dir}", f"data.max_rows={args.rows}", "data.max_length=512",
+    return [f"model.path={model}", f"data.path={ASSETS_DIR / 'chat' / 'train.jsonl'}", f"output.dir={out_dir}",
+            f"data.max_rows={args.rows}", "data.max_length=512",
             "output.shard_size=50", f"capture.batch_tokens={args.batch_tokens}", f"runtime.device={args.device}",
             "runtime.progress=false", *extra]
 

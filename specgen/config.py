@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specgen.assets import asset_path
 from specgen.errors import SpecgenError
+from specgen.schema import KEYS, closest_key, is_missing, validate
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 RECIPES_DIR = CONF_DIR / "recipes"
@@ -26,7 +27,7 @@ if not OmegaConf.has_resolver("asset"):
 
 
 def _hydra_argv(argv: list[str], stage: str) -> list[str]:
-    """Translate the public `recipe=NAME` into Hydra's group syntax.
+    """Translate the public `recipe=NAME` into Hydra's group syntax; refuse a key no stage knows, in one line.
 
     Hydra maps a config group to a folder of the same name; ours is `recipes/`, chosen as `recipe=NAME` on the
     command line, which reads better. `recipe=PATH.yaml` (a file of the user's own) puts the file's folder on the
@@ -35,11 +36,22 @@ def _hydra_argv(argv: list[str], stage: str) -> list[str]:
     """
     out = [f"hydra.job.name={stage}"]
     for arg in argv:
+        _check_override_key(arg)
         if arg.startswith("recipe="):
             name = arg.split("=", 1)[1]
             arg = f"+recipes@_global_={_recipe_name(name, out)}"
         out.append(arg)
     return out
+
+
+def _check_override_key(arg: str) -> None:
+    """`key=value` on the command line must name a key of the schema (or lie inside a free-form dict key)."""
+    if "=" not in arg or arg.startswith(("-", "hydra.", "+hydra.", "recipe=")):
+        return
+    key = arg.split("=", 1)[0].lstrip("+~")
+    if key in KEYS or any(key.startswith(f"{name}.") and spec.kind == "dict" for name, spec in KEYS.items()):
+        return
+    raise SpecgenError(f"unknown config key {key}{closest_key(key)}; see README 'Configuration keys'")
 
 
 def _recipe_name(name: str, out: list[str]) -> str:
@@ -49,7 +61,7 @@ def _recipe_name(name: str, out: list[str]) -> str:
         if not path.is_file():
             raise SpecgenError(f"recipe={name}: no such file; pass a bundled recipe name or a path to a .yaml file")
         # Hydra looks up group `recipes` in every search-path entry: expose the file's folder as that group.
-        out.insert(0, f"hydra.searchpath=[pkg://specgen.conf,file://{_user_recipe_root(path.resolve())}]")
+        out.insert(0, f"hydra.searchpath=[file://{_user_recipe_root(path.resolve())}]")
         return path.stem
     if not (RECIPES_DIR / f"{name}.yaml").exists():
         known = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
@@ -69,6 +81,45 @@ def _user_recipe_root(path: Path) -> Path:
     return root
 
 
+# Stages that read a target and conversations: with neither model.path nor data.path given (and no recipe), they run
+# the embedded default, the bundled tiny target on the bundled chat sample, cut at this many rows (None: all rows).
+EMBEDDED_ROW_CAP = {"generate": 300, "regenerate": 300, "train": None}
+EMBEDDED_MODEL, EMBEDDED_DATA = "tiny-target", "chat/train.jsonl"
+
+
+def finalize(cfg: DictConfig, stage: str, overrides: list[str]) -> DictConfig:
+    """The embedded default where it applies, then the schema check: what every stage's `run` receives."""
+    _apply_embedded_default(cfg, stage, overrides)
+    validate(cfg, stage)
+    return cfg
+
+
+def _unset(cfg: DictConfig, key: str) -> bool:
+    return is_missing(cfg, key) or OmegaConf.select(cfg, key) is None
+
+
+def _apply_embedded_default(cfg: DictConfig, stage: str, overrides: list[str]) -> None:
+    """No model.path, no data.path, no recipe: the bundled target and sample (row cap in EMBEDDED_ROW_CAP unless
+    data.max_rows is given). model.path = the bundled target and no data.path: its bundled sample, all rows.
+    Anything else is the user's run, whose required keys `validate` checks."""
+    if stage not in EMBEDDED_ROW_CAP or (stage == "train" and cfg.mode != "online"):
+        return
+    given = {arg.split("=", 1)[0].lstrip("+~") for arg in overrides if "=" in arg}
+    embedded_model = asset_path(EMBEDDED_MODEL)
+    if _unset(cfg, "model.path") and _unset(cfg, "data.path") and "recipe" not in given:
+        cfg.model.path = embedded_model
+        cfg.data.path = asset_path(EMBEDDED_DATA)
+        if "data.max_rows" not in given and EMBEDDED_ROW_CAP[stage] is not None:
+            cfg.data.max_rows = EMBEDDED_ROW_CAP[stage]
+    elif (not _unset(cfg, "model.path") and Path(cfg.model.path).resolve() == Path(embedded_model)
+          and _unset(cfg, "data.path")):
+        cfg.data.path = asset_path(EMBEDDED_DATA)
+    for key in ("model.path", "data.path"):
+        if _unset(cfg, key):
+            raise SpecgenError(f"{key} is required by specgen.{stage} (the bundled target and sample run only when "
+                               f"neither model.path nor data.path is given): pass {key}=...")
+
+
 def stage_main(config_name: str) -> Callable[[Callable[[DictConfig], object]], Callable[[], None]]:
     """Decorator turning `run(cfg)` into a Hydra command-line entry point with one-line user errors."""
 
@@ -79,14 +130,19 @@ def stage_main(config_name: str) -> Callable[[Callable[[DictConfig], object]], C
 
             hf_logging.disable_progress_bar()  # per-file weight-loading bars drown our own progress bar
             try:
-                run(cfg)
+                run(finalize(cfg, config_name, user_args))
             except SpecgenError as err:
                 print(f"error: {err}", file=sys.stderr)
                 sys.exit(2)
 
+        user_args: list[str] = []
+
         @functools.wraps(run)
         def main() -> None:
+            user_args[:] = [arg for arg in sys.argv[1:] if not arg.startswith("-")]
             try:
+                if not any(arg.startswith(("-", "hydra.")) for arg in sys.argv[1:]):
+                    compose(config_name, user_args)  # every config error in one line, before Hydra makes a run dir
                 sys.argv = [sys.argv[0], *_hydra_argv(sys.argv[1:], config_name)]
             except SpecgenError as err:
                 sys.exit(f"error: {err}")
@@ -98,12 +154,28 @@ def stage_main(config_name: str) -> Callable[[Callable[[DictConfig], object]], C
 
 
 def compose(config_name: str, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
-    """The config a stage would get from `python -m specgen.<stage> *overrides` (for tests, notebooks, benchmarks)."""
+    """The config a stage's `run` gets from `python -m specgen.<stage> *overrides`, validated (a one-line
+    SpecgenError otherwise); for tests, notebooks, benchmarks."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        return hydra_compose(config_name, overrides=_hydra_argv(list(overrides), config_name))
+        try:
+            cfg = hydra_compose(config_name, overrides=_hydra_argv(list(overrides), config_name))
+        except (HydraException, OmegaConfBaseException) as error:
+            raise SpecgenError(_one_line(str(error), config_name)) from None
+    return finalize(cfg, config_name, list(overrides))
+
+
+def _one_line(message: str, stage: str) -> str:
+    """Hydra's composition error as one line; a key of another stage says so."""
+    first = message.strip().splitlines()[0]
+    if first.startswith("Could not override '"):
+        key = first.split("'")[1]
+        return f"{key} is not a key of specgen.{stage} (it belongs to another stage); see README 'Configuration keys'"
+    return first
 
 
 def to_container(cfg: DictConfig) -> dict:

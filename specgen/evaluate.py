@@ -26,7 +26,7 @@ from specgen.data.sources import iter_records
 from specgen.draft.checkpoint import load_draft, read_draft_config, specgen_info
 from specgen.draft.speculative import Generation, TargetRunner, greedy_generate, speculative_generate
 from specgen.errors import RowError, SpecgenError
-from specgen.runtime import load_tokenizer, resolve_device
+from specgen.runtime import load_tokenizer, resolve_device, set_threads
 from specgen.progress import format_table
 
 log = logging.getLogger("specgen.evaluate")
@@ -85,10 +85,9 @@ def _eos_ids(tokenizer, model) -> set[int]:
 def run(cfg: DictConfig) -> dict:
     if cfg.draft.path is None:
         raise SpecgenError("pass draft.path=CKPT: the output.dir of specgen.train")
-    if cfg.eval.turns not in TURNS:
-        raise SpecgenError(f"eval.turns must be one of {list(TURNS)}, got {cfg.eval.turns!r}")
-    if cfg.runtime.threads:
-        torch.set_num_threads(cfg.runtime.threads)
+    if cfg.evaluate.turns not in TURNS:
+        raise SpecgenError(f"evaluate.turns must be one of {list(TURNS)}, got {cfg.evaluate.turns!r}")
+    set_threads(cfg.runtime.threads)
     info = specgen_info(read_draft_config(cfg.draft.path))
     target_path = cfg.model.path or info.get("target", {}).get("path")
     if target_path is None:
@@ -104,13 +103,13 @@ def run(cfg: DictConfig) -> dict:
     eos_ids = _eos_ids(tokenizer, model)
 
     samples = []
-    for prompt in read_prompts(cfg.data.path, cfg.eval.max_prompts):
+    for prompt in read_prompts(cfg.data.path, cfg.evaluate.max_prompts):
         samples.extend(_evaluate_prompt(prompt, target, draft, tokenizer, cfg, eos_ids))
     if not samples:
         raise SpecgenError(f"data.path {cfg.data.path} gave no prompt to evaluate")
-    report = summarize(samples, num_draft_tokens=cfg.eval.num_draft_tokens)
+    report = summarize(samples, num_draft_tokens=cfg.evaluate.num_draft_tokens)
     report.update({"draft": str(Path(cfg.draft.path).resolve()), "target": str(target_path),
-                   "data": str(cfg.data.path), "max_new_tokens": cfg.eval.max_new_tokens,
+                   "data": str(cfg.data.path), "max_new_tokens": cfg.evaluate.max_new_tokens,
                    "target_dtype": str(model.dtype).removeprefix("torch."), "device": str(device)})
     out_dir = Path(cfg.output.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -123,14 +122,14 @@ def run(cfg: DictConfig) -> dict:
 def _evaluate_prompt(prompt: Prompt, target: TargetRunner, draft, tokenizer, cfg: DictConfig,
                      eos_ids: set[int]) -> list[dict]:
     messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
-    turns = prompt.user_turns if cfg.eval.turns == "all" else prompt.user_turns[:1]
+    turns = prompt.user_turns if cfg.evaluate.turns == "all" else prompt.user_turns[:1]
     results = []
     for turn, text in enumerate(turns):
         messages.append({"role": "user", "content": text})
         prompt_ids = _token_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-        reference = greedy_generate(target, prompt_ids, max_new_tokens=cfg.eval.max_new_tokens, eos_ids=eos_ids)
-        speculative = speculative_generate(target, draft, prompt_ids, num_draft_tokens=cfg.eval.num_draft_tokens,
-                                           max_new_tokens=cfg.eval.max_new_tokens, eos_ids=eos_ids)
+        reference = greedy_generate(target, prompt_ids, max_new_tokens=cfg.evaluate.max_new_tokens, eos_ids=eos_ids)
+        speculative = speculative_generate(target, draft, prompt_ids, num_draft_tokens=cfg.evaluate.num_draft_tokens,
+                                           max_new_tokens=cfg.evaluate.max_new_tokens, eos_ids=eos_ids)
         results.append(_sample_record(prompt, turn, len(prompt_ids), reference, speculative))
         messages.append({"role": "assistant",
                          "content": tokenizer.decode(reference.tokens, skip_special_tokens=True)})

@@ -9,7 +9,6 @@ main process writes the manifest once every process is done (`specgen.distribute
 tokenizing runs ahead of the target and writing behind it (`specgen.pipeline`).
 """
 
-import itertools
 import json
 import logging
 from collections import Counter
@@ -34,7 +33,7 @@ from specgen.data.batching import token_budget_batches
 from specgen.data.prefixes import plan_prefixes
 from specgen.data.prepare import prepare_rows
 from specgen.data.sample import TokenizedSample
-from specgen.data.sources import SourceRecord, count_records, iter_records, work_units
+from specgen.data.sources import SourceRecord, capped_source, work_units
 from specgen.data.template import ChatTemplateTokenizer, chat_template_sha256
 from specgen.distributed import Workers, init_workers, report_error
 from specgen.distributed.monitor import JobMonitor, PeerFailure
@@ -44,7 +43,7 @@ from specgen.filters import SampleFilter
 from specgen.outdir import claim_output_dir, fingerprint
 from specgen.pipeline import BackgroundWriter, copy_to_host, prefetched, to_device
 from specgen.progress import format_table, human_bytes
-from specgen.runtime import load_tokenizer, resolve_device
+from specgen.runtime import load_tokenizer, resolve_device, set_threads
 from specgen.store.manifest import merge_rejected, summarize_shards, write_manifest
 from specgen.store.prefix_layout import PrefixRefEncoder, bytes_flat
 from specgen.store.schema import ShardSpec
@@ -294,13 +293,15 @@ def prefix_reuse_summary(report: dict) -> str:
     return f"{compute}; {storage}"
 
 
-def print_summary(manifest: dict, out_dir: Path, computed_tokens: int, seconds: float, processes: int = 1) -> None:
+def print_summary(manifest: dict, out_dir: Path, computed_tokens: int, seconds: float, processes: int = 1,
+                  source_rows: str = "") -> None:
     stats = manifest["stats"]
     rejected = stats.get("rejected", {})
     rejected_text = f"{sum(rejected.values()):,}" + (
         f" ({', '.join(f'{k}: {v}' for k, v in sorted(rejected.items()))}; see rejected.jsonl)" if rejected else "")
     print(format_table([
         ("output", str(out_dir)),
+        ("source", source_rows),
         ("samples", f"{stats['samples']:,} in {len(manifest['shards'])} shards"),
         ("tokens", f"{stats['tokens']:,} ({stats['trainable_tokens']:,} trainable)"),
         ("rejected rows", rejected_text),
@@ -356,6 +357,7 @@ def run(cfg: DictConfig) -> dict | None:
         raise SpecgenError(f"model.path={cfg.model.path} is not a folder; point it at a local Hugging Face model "
                            "folder (config.json + weights)")
     resolve_device(cfg.runtime.device)  # a one-line error for a device that is not there
+    set_threads(cfg.runtime.threads)
     workers = init_workers(cfg.runtime.device)
     require_shared_output_dir(cfg, workers)
     device = workers.device
@@ -368,12 +370,10 @@ def run(cfg: DictConfig) -> dict | None:
     out_dir = Path(cfg.output.dir)
     done = claim_for_job(cfg, out_dir, identity, workers)
 
-    records = iter_records(cfg.data.path)
-    total = count_records(cfg.data.path)
-    if cfg.data.max_rows is not None:
-        records = itertools.islice(records, cfg.data.max_rows)
-        total = min(total, cfg.data.max_rows) if total is not None else cfg.data.max_rows
-    monitor = JobMonitor(workers, total, enabled=cfg.runtime.progress, heartbeat_s=cfg.pipeline.heartbeat_s)
+    source = capped_source(cfg.data.path, cfg.data.max_rows)
+    records = source.records
+    monitor = JobMonitor(workers, source.expected_rows, enabled=cfg.runtime.progress,
+                         heartbeat_s=cfg.pipeline.heartbeat_s)
     try:
         units = prefetched(owned_units(cfg, records, chat, workers, done, monitor), cfg.pipeline.prefetch_units)
         with closing(units), BackgroundWriter(out_dir, target.spec, depth=cfg.pipeline.write_queue,
@@ -397,7 +397,8 @@ def run(cfg: DictConfig) -> dict | None:
                             "processes": workers.world_size, "engine": cfg.engine.name}
     merge_rejected(out_dir)
     write_manifest(out_dir, manifest)
-    print_summary(manifest, out_dir, job.tokens, seconds, workers.world_size)
+    print_summary(manifest, out_dir, job.tokens, seconds, workers.world_size,
+                  source.describe(manifest["stats"].get("source_rows", 0)))
     return manifest
 
 

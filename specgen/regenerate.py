@@ -12,7 +12,6 @@ writes `rejected.jsonl` and `manifest.json` once every part is on disk.
 """
 
 import hashlib
-import itertools
 import json
 import logging
 import math
@@ -24,11 +23,10 @@ from omegaconf import DictConfig
 
 from specgen.capture.target import config_hash, load_target
 from specgen.config import stage_main, to_container
-from specgen.data.sources import count_records, iter_records
 from specgen.data.template import chat_template_sha256
 from specgen.distributed import Workers, init_workers
 from specgen.errors import SpecgenError
-from specgen.data.sources import work_units
+from specgen.data.sources import capped_source, work_units
 from specgen.runtime import load_tokenizer
 from specgen.outdir import claim_output_dir
 from specgen.progress import Progress, format_table
@@ -157,7 +155,8 @@ def finish(cfg: DictConfig, out_dir: Path, units: list[int], model, identity: di
     return manifest
 
 
-def print_summary(manifest: dict, out_dir: Path, new_tokens: int, rows: int, seconds: float) -> None:
+def print_summary(manifest: dict, out_dir: Path, new_tokens: int, rows: int, seconds: float,
+                  source_rows: str = "") -> None:
     stats, generation = manifest["stats"], manifest["generation"]
     template_overrides = ",".join(f"{key}:{json.dumps(value)}" for key, value in generation["chat_template_kwargs"].items())
 
@@ -167,6 +166,7 @@ def print_summary(manifest: dict, out_dir: Path, new_tokens: int, rows: int, sec
 
     print(format_table([
         ("output", str(out_dir)),
+        ("source", source_rows),
         ("rows", f"{stats['rows']:,} of {stats['source_rows']:,} source rows in {len(manifest['parts'])} parts"),
         ("regenerated turns", f"{stats['regenerated_turns']:,} ({stats['new_tokens']:,} new tokens; "
                               f"{stats['kept_tool_call_turns']:,} tool-call turns kept verbatim)"),
@@ -190,11 +190,8 @@ def run(cfg: DictConfig) -> dict | None:
         raise SpecgenError(f"model.path={cfg.model.path} is not a folder; point it at a local Hugging Face model "
                            "folder (config.json + weights)")
     # A wrong data.path fails here, before the model loads and the output directory is claimed.
-    records = iter_records(cfg.data.path)
-    total = count_records(cfg.data.path)
-    if cfg.data.max_rows is not None:
-        records = itertools.islice(records, cfg.data.max_rows)
-        total = min(total, cfg.data.max_rows) if total is not None else cfg.data.max_rows
+    source = capped_source(cfg.data.path, cfg.data.max_rows)
+    records, total = source.records, source.expected_rows
     workers = init_workers(cfg.runtime.device)
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     model = load_target(cfg.model.path, dtype=cfg.model.dtype, device=str(workers.device),
@@ -234,7 +231,7 @@ def run(cfg: DictConfig) -> dict | None:
 
     wait_for_parts(out_dir, units)
     manifest = finish(cfg, out_dir, units, model, identity)
-    print_summary(manifest, out_dir, new_tokens, rows, seconds)
+    print_summary(manifest, out_dir, new_tokens, rows, seconds, source.describe(manifest["stats"]["source_rows"]))
     return manifest
 
 

@@ -53,7 +53,7 @@ from specgen.draft.vocab import (
 )
 from specgen.errors import SpecgenError
 from specgen.progress import format_table
-from specgen.runtime import load_tokenizer, resolve_device
+from specgen.runtime import load_tokenizer, resolve_device, set_threads
 from specgen.store.reader import open_shards
 
 log = logging.getLogger("specgen.train")
@@ -84,8 +84,7 @@ def run(cfg: DictConfig) -> dict:
     if cfg.mode not in MODES:
         raise SpecgenError(f"mode={cfg.mode!r} is unknown; use mode=offline (data.shards) or mode=online "
                            "(model.path + data.path)")
-    if cfg.runtime.threads:
-        torch.set_num_threads(cfg.runtime.threads)
+    set_threads(cfg.runtime.threads)
     accelerator = _accelerator(cfg)
     device, is_main = accelerator.device, accelerator.is_main_process
     out_dir = Path(cfg.output.dir)
@@ -103,7 +102,7 @@ def run(cfg: DictConfig) -> dict:
     torch.manual_seed(cfg.runtime.seed)
     draft = build_draft(cfg, data, out_dir if resume else None).to(device)
     objective = TTTObjective(draft, ttt_length=cfg.train.ttt_length, decay=cfg.train.ttt_decay)
-    head = TargetHead(data.lm_head.to(device), _mapping_of(draft), chunk_tokens=cfg.train.target_chunk_tokens)
+    head = TargetHead(data.lm_head.to(device), _mapping_of(draft), chunk_tokens=cfg.capture.lm_head_chunk_tokens)
 
     steps_per_epoch = data.source.batches_per_epoch() // cfg.train.grad_accum
     total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch

@@ -1,4 +1,4 @@
-"""`python -m specgen.verify output.dir=DIR`: audit a finished dataset.
+"""`python -m specgen.verify data.shards=DIR`: audit a finished dataset.
 
 Structural checks read every row (cheap: memory-mapped); the reference check re-runs a few random samples through
 the plain Hugging Face forward (`output_hidden_states=True`) of the recorded target and reports the relative error
@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from specgen.capture.target import config_hash, load_target
 from specgen.config import stage_main
 from specgen.errors import SpecgenError
-from specgen.runtime import resolve_device
+from specgen.runtime import resolve_device, set_threads
 from specgen.progress import format_table
 from specgen.store.manifest import read_manifest
 from specgen.store.reader import open_shards
@@ -71,18 +71,18 @@ def check_structure(dataset, manifest: dict) -> tuple[list[str], dict]:
 def check_against_reference(dataset, manifest: dict, cfg: DictConfig) -> tuple[list[str], list[tuple[str, str]]]:
     """Re-run random samples through the HF forward and compare each captured tensor."""
     problems, rows = [], []
-    model_path = cfg.verify.model_path or manifest["model"]["path"]
+    model_path = cfg.model.path or manifest["model"]["path"]
     if not Path(model_path).is_dir():
-        raise SpecgenError(f"the recorded target {model_path} is not there; pass verify.model_path=DIR "
+        raise SpecgenError(f"the recorded target {model_path} is not there; pass model.path=DIR "
                            "or verify.samples=0 to skip the reference check")
-    device = resolve_device(cfg.verify.device)
+    device = resolve_device(cfg.runtime.device)
     model = load_target(model_path, dtype=manifest["dtype"], device=str(device), attn_implementation="eager")
     if config_hash(model) != manifest["model"]["config_hash"]:
         problems.append(f"{model_path} has a different config than the one recorded in the manifest")
     num_layers = manifest["model"]["num_layers"]
     hidden = manifest["hidden_size"]
     tolerance = cfg.verify.tolerance or DEFAULT_TOLERANCE[manifest.get("codec", manifest["dtype"])]
-    picks = random.Random(cfg.verify.seed).sample(range(len(dataset)), min(cfg.verify.samples, len(dataset)))
+    picks = random.Random(cfg.runtime.seed).sample(range(len(dataset)), min(cfg.verify.samples, len(dataset)))
     for index in picks:
         item = dataset[index]
         with torch.inference_mode():
@@ -107,7 +107,8 @@ def check_against_reference(dataset, manifest: dict, cfg: DictConfig) -> tuple[l
 
 
 def run(cfg: DictConfig) -> None:
-    out_dir = Path(cfg.output.dir)
+    set_threads(cfg.runtime.threads)
+    out_dir = Path(cfg.data.shards)
     manifest = read_manifest(out_dir)
     dataset = open_shards(out_dir)
     problems, totals = check_structure(dataset, manifest)

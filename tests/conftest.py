@@ -6,6 +6,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+BUNDLED_CHAT = REPO / "specgen" / "assets" / "chat" / "train.jsonl"  # the bundled sample: data.path for tiny targets
 SHARED = REPO.parent / "shared"
 TOKENIZERS = {"llama-3.1": SHARED / "tokenizers" / "llama-3.1", "qwen3": SHARED / "tokenizers" / "qwen3"}
 DATASETS = {

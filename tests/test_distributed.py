@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, build_tiny_model
+from conftest import BUNDLED_CHAT, REPO, build_tiny_model
 from specgen import open_shards
 from specgen.assets import ASSETS_DIR
 from specgen.config import compose
@@ -33,7 +33,8 @@ def target(tmp_path_factory) -> Path:
 
 
 def job_args(model: Path, out_dir: Path, *overrides: str) -> list[str]:
-    return [f"model.path={model}", f"output.dir={out_dir}", "runtime.progress=false", f"data.max_rows={ROWS}",
+    return [f"model.path={model}", f"data.path={BUNDLED_CHAT}", f"output.dir={out_dir}", "runtime.progress=false",
+            f"data.max_rows={ROWS}",
             f"output.shard_size={SHARD_SIZE}", "capture.batch_tokens=256", *overrides]
 
 
@@ -218,7 +219,7 @@ def test_output_dir_must_not_depend_on_launch_time(target, tmp_path):
     from specgen.errors import SpecgenError
     from specgen.generate import require_shared_output_dir
 
-    cfg = compose("generate", [f"model.path={target}"])
+    cfg = compose("generate", [f"model.path={target}", f"data.path={BUNDLED_CHAT}"])
     two = Workers(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(SpecgenError, match="explicit output.dir"):
         require_shared_output_dir(cfg, two)
@@ -227,8 +228,9 @@ def test_output_dir_must_not_depend_on_launch_time(target, tmp_path):
 
 
 def test_unknown_engine_is_a_one_line_error(target, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "specgen.generate", f"model.path={target}", "engine.name=nope",
-                           f"output.dir={tmp_path / 'out'}"], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "specgen.generate", f"model.path={target}",
+                           f"data.path={BUNDLED_CHAT}", "engine.name=nope", f"output.dir={tmp_path / 'out'}"],
+                          cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
-        "error: engine=nope is unknown; use engine=hf (the default) or engine=deepspeed"]
+        "error: engine.name=nope is not one of hf | deepspeed"]

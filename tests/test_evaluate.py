@@ -80,8 +80,8 @@ def test_evaluate_stage_on_mt_bench_prompts(target_dir, tmp_path):
     ckpt = tmp_path / "draft"
     save_draft(draft, ckpt, {"target": {"path": str(target_dir)}, "aux_layers": AUX})
     mt_bench = require_shared(DATASETS["mt_bench"])
-    report = run(compose("evaluate", [f"draft.path={ckpt}", f"data.path={mt_bench}", "eval.max_prompts=3",
-                                           "eval.max_new_tokens=12", f"output.dir={tmp_path / 'eval'}",
+    report = run(compose("evaluate", [f"draft.path={ckpt}", f"data.path={mt_bench}", "evaluate.max_prompts=3",
+                                           "evaluate.max_new_tokens=12", f"output.dir={tmp_path / 'eval'}",
                                            "runtime.progress=false", "runtime.threads=1"]))
     written = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert written == json.loads(json.dumps(report))

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from conftest import REPO, TOKENIZERS, build_tiny_model, require_shared
+from conftest import BUNDLED_CHAT, REPO, TOKENIZERS, build_tiny_model, require_shared
 from specgen import open_shards
 from specgen.assets import ASSETS_DIR
 from specgen.config import compose
@@ -29,7 +29,8 @@ def small_target(tmp_path_factory) -> Path:
 
 
 def generate(model: Path, out_dir: Path, *overrides: str) -> dict:
-    cfg = compose("generate", [f"model.path={model}", f"output.dir={out_dir}", "runtime.progress=false",
+    cfg = compose("generate", [f"model.path={model}", f"data.path={BUNDLED_CHAT}", f"output.dir={out_dir}",
+                               "runtime.progress=false",
                                "data.max_rows=24", "output.shard_size=8", *overrides])
     return run(cfg)
 
@@ -77,7 +78,8 @@ def test_resume_after_kill_gives_the_uninterrupted_dataset(small_target, tmp_pat
     reference = tmp_path / "reference"
     generate(small_target, reference)
     interrupted = tmp_path / "interrupted"
-    cmd = [sys.executable, "-m", "specgen.generate", f"model.path={small_target}", f"output.dir={interrupted}",
+    cmd = [sys.executable, "-m", "specgen.generate", f"model.path={small_target}", f"data.path={BUNDLED_CHAT}",
+           f"output.dir={interrupted}",
            "runtime.progress=false", "data.max_rows=24", "output.shard_size=8", "capture.batch_tokens=256"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -136,7 +138,8 @@ def test_changed_config_is_an_error_unless_overwrite(small_target, tmp_path):
 ])
 def test_cli_errors_are_one_line(small_target, tmp_path, override, expected):
     proc = subprocess.run([sys.executable, "-m", "specgen.generate", f"model.path={small_target}",
-                           f"output.dir={tmp_path / 'out'}", override], cwd=REPO, capture_output=True, text=True)
+                           f"data.path={BUNDLED_CHAT}", f"output.dir={tmp_path / 'out'}", override],
+                          cwd=REPO, capture_output=True, text=True)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -180,11 +183,11 @@ def test_qwen3_template_gives_per_turn_rows(tmp_path):
 
 def test_verify_passes_and_catches_a_wrong_model(small_target, tmp_path):
     generate(small_target, tmp_path / "out")
-    verify = [sys.executable, "-m", "specgen.verify", f"output.dir={tmp_path / 'out'}", "verify.samples=2"]
+    verify = [sys.executable, "-m", "specgen.verify", f"data.shards={tmp_path / 'out'}", "verify.samples=2"]
     ok = subprocess.run(verify, cwd=REPO, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     other = build_tiny_model("llama", tmp_path / "other", vocab_size=2048, seed=1, tokenizer_dir=BUNDLED_TOKENIZER)
-    bad = subprocess.run([*verify, f"verify.model_path={other}"], cwd=REPO, capture_output=True, text=True)
+    bad = subprocess.run([*verify, f"model.path={other}"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 1 and "differs from the HF forward" in bad.stderr
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import build_tiny_model
+from conftest import BUNDLED_CHAT, build_tiny_model
 from specgen import open_shards
 from specgen.assets import ASSETS_DIR
 from specgen.capture import load_target, make_capture
@@ -42,7 +42,8 @@ def hf_logits(small_target):
 
 
 def generate(model: Path, out_dir: Path, *overrides: str, rows: int = 10) -> dict:
-    cfg = compose("generate", [f"model.path={model}", f"output.dir={out_dir}", "runtime.progress=false",
+    cfg = compose("generate", [f"model.path={model}", f"data.path={BUNDLED_CHAT}", f"output.dir={out_dir}",
+                               "runtime.progress=false",
                                f"data.max_rows={rows}", "data.max_length=256", "output.shard_size=4", *overrides])
     return run(cfg)
 

@@ -274,3 +274,32 @@ def work_units(records: Iterable[SourceRecord], shard_size: int) -> Iterator[tup
     """Split the stream into units of `shard_size` source rows; unit k always holds rows [k*S, (k+1)*S)."""
     for unit, group in itertools.groupby(records, key=lambda r: r.index // shard_size):
         yield unit, list(group)
+
+
+@dataclass
+class CappedSource:
+    """A source read through `data.max_rows`: its records, the rows to expect and what the summary says."""
+
+    records: Iterator[SourceRecord]
+    expected_rows: int | None  # rows the run will read (None: unknown without reading the whole source)
+    file_rows: int | None      # rows in the source
+    max_rows: int | None
+
+    def describe(self, read: int) -> str:
+        """'N source rows read (all)' or '... (stopped at data.max_rows=M; the source has K)'."""
+        if self.max_rows is not None and (self.file_rows is None or self.file_rows > self.max_rows):
+            whole = f"; the source has {self.file_rows:,}" if self.file_rows is not None else ""
+            return f"{read:,} source rows read (stopped at data.max_rows={self.max_rows}{whole})"
+        return f"{read:,} source rows read (all of {self.file_rows:,})" if self.file_rows is not None else \
+            f"{read:,} source rows read (all)"
+
+
+def capped_source(path: str | Path, max_rows: int | None) -> CappedSource:
+    """The records of `path`, the first `max_rows` when set; a wrong path fails here, before any model loads."""
+    records = iter_records(path)
+    file_rows = count_records(path)
+    expected = file_rows
+    if max_rows is not None:
+        records = itertools.islice(records, max_rows)
+        expected = min(file_rows, max_rows) if file_rows is not None else max_rows
+    return CappedSource(records, expected, file_rows, max_rows)

@@ -12,3 +12,9 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise SpecgenError(f"runtime.device={name} but no CUDA device is visible; use runtime.device=cpu")
     return torch.device(name)
+
+
+def set_threads(threads: int | None) -> None:
+    """`runtime.threads`: torch's CPU threads (None keeps torch's default)."""
+    if threads:
+        torch.set_num_threads(threads)

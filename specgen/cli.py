@@ -1,0 +1,41 @@
+"""`specgen STAGE [recipe=NAME] [key=value ...]`: the console command, one entry for every stage.
+
+`specgen generate ...` is `python -m specgen.generate ...`; under `accelerate launch` use either
+`accelerate launch -m specgen.generate ...` or `accelerate launch $(which specgen) generate ...`.
+"""
+
+import importlib
+import sys
+
+STAGES = {
+    "generate": "conversations -> target capture -> Arrow shards",
+    "train": "train an EAGLE-3 draft (offline from shards, or online)",
+    "evaluate": "acceptance length of a draft by speculative decoding, and a lossless check",
+    "verify": "audit a generated dataset",
+    "regenerate": "replace assistant turns with the target's own answers",
+    "export": "write a draft checkpoint in the layout an engine reads (vllm, sglang, speculators)",
+}
+
+
+def usage() -> str:
+    rows = "\n".join(f"  {name:<11} {what}" for name, what in STAGES.items())
+    return f"usage: specgen STAGE [recipe=NAME] [key=value ...]\n\nstages:\n{rows}\n"
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help", "help"):
+        print(usage())
+        sys.exit(0 if len(sys.argv) >= 2 else 2)
+    stage = sys.argv[1]
+    if stage not in STAGES:
+        sys.exit(f"error: unknown stage {stage!r}; one of: {', '.join(STAGES)}")
+    try:
+        module = importlib.import_module(f"specgen.{stage}")
+    except ModuleNotFoundError:
+        sys.exit(f"error: stage {stage!r} is not available in this installation")
+    sys.argv = [f"specgen {stage}", *sys.argv[2:]]
+    module.main()
+
+
+if __name__ == "__main__":
+    main()

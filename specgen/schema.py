@@ -1,0 +1,206 @@
+"""The typed configuration schema: every key of every stage, its type, allowed values and range.
+
+The YAML files in `specgen/conf/` give each key its default and its one-line comment; this table gives its type.
+`validate(cfg, stage)` runs on the composed config of a stage before anything is loaded and raises a one-line
+`SpecgenError` naming the first offending key: an unknown key (with the closest valid one), a required key left
+unset (`???`), a value of the wrong type, outside its choices or below its minimum. One key means one thing in
+every stage: the table is the project's single vocabulary of keys (README "Configuration keys").
+"""
+
+import difflib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+
+from specgen.errors import SpecgenError
+
+
+@dataclass(frozen=True)
+class Key:
+    """One configuration key: `kind` is int | float | bool | str | list | dict (dict: free-form, not descended)."""
+
+    kind: str
+    nullable: bool = False
+    choices: tuple = ()
+    min: float | None = None
+    items: str | None = None  # list: the kind of every element
+
+
+def _k(kind: str, *, null: bool = False, choices: tuple = (), min: float | None = None,
+       items: str | None = None) -> Key:
+    return Key(kind, null, choices, min, items)
+
+
+POSITIVE = 1
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+KEYS: dict[str, Key] = {
+    # model / tokenizer / data: what goes in
+    "model.path": _k("str", null=True),
+    "model.dtype": _k("str", choices=DTYPES),
+    "model.attn_implementation": _k("str", choices=("sdpa", "eager", "flash_attention_2")),
+    "tokenizer.path": _k("str", null=True),
+    "data.path": _k("str", null=True),
+    "data.shards": _k("str", null=True),
+    "data.max_length": _k("int", min=POSITIVE),
+    "data.max_rows": _k("int", null=True, min=POSITIVE),
+    "data.train_turns": _k("str", choices=("all", "last")),
+    "data.mask_empty_think": _k("bool"),
+    "data.on_bad_row": _k("str", choices=("skip", "fail")),
+    "data.chat_template_kwargs": _k("dict", null=True),
+    # capture: what to keep from the target's forward
+    "capture.aux_layers": _k("list", null=True, items="int"),
+    "capture.batch_tokens": _k("int", min=POSITIVE),
+    "capture.max_batch_size": _k("int", min=POSITIVE),
+    "capture.prefill_chunk_tokens": _k("int", null=True, min=POSITIVE),
+    "capture.logits": _k("str", choices=("none", "topk", "full")),
+    "capture.topk": _k("int", min=POSITIVE),
+    "capture.token_logprobs": _k("bool"),
+    "capture.logprob_temperature": _k("float", min=0),
+    "capture.pooled": _k("str", choices=("none", "mean", "mean_trainable", "last")),
+    "capture.pooled_layer": _k("str"),
+    "capture.lm_head_chunk_tokens": _k("int", min=POSITIVE),
+    "capture.prefix_reuse": _k("bool"),
+    "capture.prefix_min_tokens": _k("int", min=POSITIVE),
+    "capture.prefix_cache_tokens": _k("int", min=0),
+    # filter: drop samples by per-sample statistics
+    "filter.min_mean_logprob": _k("float", null=True),
+    "filter.max_mean_logprob": _k("float", null=True),
+    # output: where results go
+    "output.dir": _k("str"),
+    "output.shard_size": _k("int", min=POSITIVE),
+    "output.overwrite": _k("bool"),
+    "output.codec": _k("str", null=True, choices=("fp8",)),
+    "output.store_prefix_once": _k("bool"),
+    # runtime / pipeline / engine: how the work runs
+    "runtime.device": _k("str"),
+    "runtime.seed": _k("int"),
+    "runtime.progress": _k("bool"),
+    "runtime.threads": _k("int", null=True, min=POSITIVE),
+    "pipeline.prefetch_units": _k("int", min=0),
+    "pipeline.write_queue": _k("int", min=POSITIVE),
+    "pipeline.heartbeat_s": _k("float", min=0),
+    "engine.name": _k("str", choices=("hf", "deepspeed")),
+    "engine.backend": _k("str", choices=("auto", "nccl", "gloo")),
+    "engine.config": _k("dict"),
+    # train: the draft and its optimisation
+    "mode": _k("str", choices=("offline", "online")),
+    "distributed.backend": _k("str", choices=("ddp", "deepspeed")),
+    "distributed.deepspeed": _k("dict"),
+    "draft.path": _k("str", null=True),
+    "draft.init": _k("str", null=True),
+    "draft.vocab_size": _k("int", min=POSITIVE),
+    "draft.overrides": _k("dict"),
+    "train.max_steps": _k("int", null=True, min=POSITIVE),
+    "train.epochs": _k("int", min=POSITIVE),
+    "train.schedule_steps": _k("int", null=True, min=POSITIVE),
+    "train.batch_tokens": _k("int", min=POSITIVE),
+    "train.max_batch_size": _k("int", null=True, min=POSITIVE),
+    "train.grad_accum": _k("int", min=POSITIVE),
+    "train.lr": _k("float", min=0),
+    "train.min_lr_ratio": _k("float", min=0),
+    "train.warmup_steps": _k("int", min=0),
+    "train.weight_decay": _k("float", min=0),
+    "train.betas": _k("list", items="float"),
+    "train.grad_clip": _k("float", min=0),
+    "train.ttt_length": _k("int", min=POSITIVE),
+    "train.ttt_decay": _k("float", min=0),
+    "train.precision": _k("str", choices=("auto", "fp32", "bf16")),
+    "train.num_workers": _k("int", min=0),
+    "train.log_every": _k("int", min=POSITIVE),
+    "train.save_every": _k("int", null=True, min=POSITIVE),
+    "train.resume": _k("bool"),
+    "train.tensorboard": _k("bool"),
+    # evaluate: speculative decoding on prompts
+    "evaluate.num_draft_tokens": _k("int", min=POSITIVE),
+    "evaluate.max_new_tokens": _k("int", min=POSITIVE),
+    "evaluate.max_prompts": _k("int", null=True, min=POSITIVE),
+    "evaluate.turns": _k("str", choices=("all", "first")),
+    # verify: audit a dataset
+    "verify.samples": _k("int", min=0),
+    "verify.tolerance": _k("float", null=True, min=0),
+    # regenerate: the target's own answers
+    "regenerate.temperature": _k("float", min=0),
+    "regenerate.top_p": _k("float", min=0),
+    "regenerate.top_k": _k("int", min=0),
+    "regenerate.max_new_tokens": _k("int", min=POSITIVE),
+    "regenerate.seed": _k("int"),
+    "regenerate.thinking": _k("bool", null=True),
+    "regenerate.turns": _k("str", choices=("all", "last")),
+    "regenerate.on_truncated": _k("str", choices=("keep", "drop")),
+    "regenerate.on_empty": _k("str", choices=("keep", "drop")),
+    "regenerate.batch_size": _k("int", min=POSITIVE),
+    "regenerate.batch_tokens": _k("int", min=POSITIVE),
+}
+
+
+def closest_key(name: str, known: list[str] | None = None) -> str:
+    """' (did you mean X?)' for the known key nearest to `name`, or '' when nothing is close."""
+    match = difflib.get_close_matches(name, known or list(KEYS), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]}?)" if match else ""
+
+
+def leaves(cfg: DictConfig, prefix: str = "") -> Iterator[str]:
+    """Dotted names of the config's leaf keys; free-form `dict` keys count as leaves."""
+    for name in cfg.keys():
+        dotted = f"{prefix}{name}"
+        if dotted == "hydra":
+            continue
+        node = cfg._get_node(name)
+        spec = KEYS.get(dotted)
+        if isinstance(node, DictConfig) and not (spec and spec.kind == "dict") and not node._is_missing():
+            yield from leaves(node, f"{dotted}.")
+        else:
+            yield dotted
+
+
+def validate(cfg: DictConfig, stage: str) -> None:
+    """Check every key of a composed stage config against KEYS; raise a one-line SpecgenError on the first problem."""
+    for name in leaves(cfg):
+        spec = KEYS.get(name)
+        if spec is None:
+            raise SpecgenError(f"unknown config key {name}{closest_key(name)}; see README 'Configuration keys'")
+        if is_missing(cfg, name):
+            raise SpecgenError(f"{name} is required by specgen.{stage}: pass {name}=...")
+        _check_value(name, OmegaConf.select(cfg, name), spec)
+
+
+def is_missing(cfg: DictConfig, name: str) -> bool:
+    """Whether dotted key `name` is `???` (directly, or through an interpolation to a `???`)."""
+    try:
+        OmegaConf.select(cfg, name, throw_on_missing=True)
+    except MissingMandatoryValue:
+        return True
+    return False
+
+
+def _check_value(name: str, value, spec: Key) -> None:
+    if value is None:
+        if not spec.nullable:
+            raise SpecgenError(f"{name} must be set (got null)")
+        return
+    if isinstance(value, DictConfig | dict):
+        value = OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+    elif OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value, resolve=True)
+    _check_kind(name, value, spec.kind)
+    if spec.items:
+        for item in value:
+            _check_kind(f"{name}[]", item, spec.items)
+    if spec.choices and value not in spec.choices:
+        allowed = " | ".join(str(c) for c in spec.choices) + (" | null" if spec.nullable else "")
+        raise SpecgenError(f"{name}={value} is not one of {allowed}")
+    if spec.min is not None and value < spec.min:
+        raise SpecgenError(f"{name}={value} must be >= {spec.min}")
+
+
+_KINDS = {"int": int, "float": (int, float), "bool": bool, "str": str, "list": (list, tuple), "dict": dict}
+
+
+def _check_kind(name: str, value, kind: str) -> None:
+    ok = isinstance(value, _KINDS[kind]) and not (kind in ("int", "float") and isinstance(value, bool))
+    if not ok:
+        raise SpecgenError(f"{name}={value!r} must be {'a' if kind != 'int' else 'an'} {kind}, "
+                           f"not {type(value).__name__}")

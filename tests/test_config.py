@@ -1,0 +1,125 @@
+"""The typed configuration: recipes compose for their stages, required keys are required, bad keys and values are
+one-line errors naming the key, and the embedded default's row cap never leaks into a user's run."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import BUNDLED_CHAT, REPO
+from specgen.config import CONF_DIR, RECIPES_DIR, compose
+from specgen.errors import SpecgenError
+from specgen.schema import KEYS, leaves
+
+STAGES = ("generate", "train", "evaluate", "verify", "regenerate")
+TINY = REPO / "specgen" / "assets" / "tiny-target"
+# What a user must add to each recipe for each stage it serves (the recipe's own `???` keys, and a draft).
+REQUIRED = {"demo": {"generate": [], "train": ["data.shards=/tmp/s"], "evaluate": ["draft.path=/tmp/d"]},
+            "llama3.1-8b": {"generate": ["model.path=/m", "data.path=/d.jsonl"]},
+            "qwen3-8b": {"generate": ["model.path=/m", "data.path=/d.jsonl"]}}
+
+
+def test_every_recipe_is_tested():
+    assert sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")) == sorted(REQUIRED)
+
+
+@pytest.mark.parametrize("recipe, stage", [(r, s) for r, stages in REQUIRED.items() for s in stages])
+def test_recipes_compose_for_their_stages(recipe, stage):
+    cfg = compose(stage, [f"recipe={recipe}", *REQUIRED[recipe][stage]])
+    assert OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+
+
+@pytest.mark.parametrize("recipe", ["llama3.1-8b", "qwen3-8b"])
+def test_recipe_without_its_required_key_fails_naming_it(recipe):
+    with pytest.raises(SpecgenError, match=r"^model.path is required by specgen.generate"):
+        compose("generate", [f"recipe={recipe}", "data.path=/d.jsonl"])
+    with pytest.raises(SpecgenError, match=r"^data.path is required by specgen.generate"):
+        compose("generate", [f"recipe={recipe}", "model.path=/m"])
+
+
+def test_every_key_of_every_stage_is_typed_and_documented():
+    readme = (REPO / "README.md").read_text()
+    seen = set()
+    for stage in STAGES:
+        cfg = compose(stage, ["data.shards=/s"] if stage == "verify" else ["draft.path=/d"] if stage == "evaluate"
+                      else [])
+        seen |= set(leaves(cfg))
+    assert seen <= set(KEYS)
+    undocumented = [key for key in KEYS if f"`{key}`" not in readme]
+    assert not undocumented, f"keys missing from README 'Configuration keys': {undocumented}"
+
+
+def test_embedded_default_caps_only_itself():
+    embedded = compose("generate")
+    assert embedded.data.max_rows == 300 and Path(embedded.model.path) == TINY
+    assert compose("generate", ["data.max_rows=null"]).data.max_rows is None  # asked for all rows: all rows
+    mine = compose("generate", [f"model.path={TINY}", "data.path=/my/data.json"])
+    assert mine.data.max_rows is None and mine.data.path == "/my/data.json"
+    # the bundled target alone brings its own sample, uncapped
+    assert compose("generate", [f"model.path={TINY}"]).data.max_rows is None
+    assert compose("generate", ["recipe=demo"]).data.max_rows is None
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.max_row=5", "unknown config key data.max_row (did you mean data.max_rows?)"),
+    ("capture.logits=foo", "capture.logits=foo is not one of none | topk | full"),
+    ("data.max_length=0", "data.max_length=0 must be >= 1"),
+    ("output.shard_size=abc", "output.shard_size='abc' must be an int"),
+    ("train.lr=0.1", "train.lr is not a key of specgen.generate"),
+    ("data.path=/d.jsonl", "model.path is required by specgen.generate"),
+])
+def test_config_errors_name_the_key(override, message):
+    with pytest.raises(SpecgenError, match=re.escape(message)):
+        compose("generate", [override])
+
+
+def test_cli_config_error_is_one_line_before_anything_loads(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "specgen.generate", "data.max_lenght=5", f"output.dir={out}"],
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: unknown config key data.max_lenght (did you mean data.max_length?); see README 'Configuration keys'"]
+    assert not out.exists()  # refused before Hydra made a run directory
+
+
+def test_recipe_from_a_users_file(tmp_path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("# @package _global_\ndata:\n  max_length: 77\n")
+    cfg = compose("generate", [f"recipe={recipe}", f"model.path={TINY}", f"data.path={BUNDLED_CHAT}"])
+    assert cfg.data.max_length == 77
+    with pytest.raises(SpecgenError, match="no such file"):
+        compose("generate", [f"recipe={tmp_path / 'absent.yaml'}"])
+    with pytest.raises(SpecgenError, match="unknown recipe 'nope'"):
+        compose("generate", ["recipe=nope"])
+
+
+def test_a_users_file_of_more_than_300_rows_is_processed_whole(tmp_path):
+    """The bug a user hit: model.path + data.path silently stopped at the embedded default's 300 rows."""
+    from specgen.generate import run
+
+    rows = [json.loads(line) for line in BUNDLED_CHAT.read_text().splitlines()][:320]
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    manifest = run(compose("generate", [f"model.path={TINY}", f"data.path={data}", "data.max_length=32",
+                                        f"output.dir={tmp_path / 'out'}", "runtime.progress=false",
+                                        "output.shard_size=160"]))
+    assert manifest["stats"]["source_rows"] == 320
+    assert manifest["stats"]["samples"] + sum(manifest["stats"]["rejected"].values()) == 320  # every row counted
+
+
+def test_console_command_runs_a_stage(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "specgen.cli", "verify"], cwd=tmp_path, capture_output=True,
+                          text=True)
+    assert proc.returncode != 0
+    assert proc.stderr.strip() == "error: data.shards is required by specgen.verify: pass data.shards=..."
+    help_text = subprocess.run([sys.executable, "-m", "specgen.cli", "--help"], capture_output=True, text=True)
+    assert help_text.returncode == 0 and "generate" in help_text.stdout
+
+
+def test_configs_ship_inside_the_package():
+    assert CONF_DIR.is_relative_to(REPO / "specgen") and (CONF_DIR / "generate.yaml").is_file()

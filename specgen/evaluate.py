@@ -26,7 +26,7 @@ from specgen.data.sources import iter_records
 from specgen.draft.checkpoint import load_draft, read_draft_config, specgen_info
 from specgen.draft.speculative import Generation, TargetRunner, greedy_generate, speculative_generate
 from specgen.errors import RowError, SpecgenError
-from specgen.runtime import load_tokenizer, resolve_device, set_threads
+from specgen.runtime import load_tokenizer, resolve_device, set_threads, stop_token_ids
 from specgen.progress import format_table
 
 log = logging.getLogger("specgen.evaluate")
@@ -75,13 +75,6 @@ def read_prompts(path: str, max_prompts: int | None = None) -> Iterator[Prompt]:
         count += 1
 
 
-def _eos_ids(tokenizer, model) -> set[int]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    configured = getattr(model.generation_config, "eos_token_id", None)
-    ids.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
-    return ids
-
-
 def run(cfg: DictConfig) -> dict:
     if cfg.draft.path is None:
         raise SpecgenError("pass draft.path=CKPT: the output.dir of specgen.train")
@@ -100,7 +93,7 @@ def run(cfg: DictConfig) -> dict:
     aux_layers = info.get("aux_layers") or draft.config.eagle_config["eagle_aux_hidden_state_layer_ids"]
     target = TargetRunner(model, aux_layers)
     tokenizer = load_tokenizer(cfg.tokenizer.path or target_path)
-    eos_ids = _eos_ids(tokenizer, model)
+    eos_ids = set(stop_token_ids(model, tokenizer))
 
     samples = []
     for prompt in read_prompts(cfg.data.path, cfg.evaluate.max_prompts):

@@ -29,7 +29,7 @@ from specgen.capture.outputs import identity as output_identity
 from specgen.capture.reuse import capture_with_prefix_reuse
 from specgen.capture.target import CaptureOutput, config_hash, load_target
 from specgen.config import stage_main, to_container
-from specgen.data.batching import token_budget_batches
+from specgen.data.batching import pad_right, token_budget_batches
 from specgen.data.prefixes import plan_prefixes
 from specgen.data.prepare import prepare_rows
 from specgen.data.sample import TokenizedSample
@@ -105,10 +105,7 @@ def capture_batches(target: Target, samples: list[TokenizedSample], *, batch_tok
     `ready.synchronize()` (`ready` is None on the CPU, and when the output columns were copied synchronously).
     """
     for batch in token_budget_batches(samples, batch_tokens, max_batch_size):
-        longest = max(len(s) for s in batch)
-        input_ids = torch.full((len(batch), longest), target.pad_id, dtype=torch.long)
-        for b, sample in enumerate(batch):
-            input_ids[b, : len(sample)] = torch.tensor(sample.input_ids)
+        input_ids = pad_right([s.input_ids for s in batch], target.pad_id)
         lengths = torch.tensor([len(s) for s in batch])  # stays on the CPU: checking it must not sync the device
         input_ids = to_device(input_ids, device)
         out = target.capture(input_ids, lengths, chunk_tokens=chunk_tokens)
@@ -126,7 +123,7 @@ def capture_batches(target: Target, samples: list[TokenizedSample], *, batch_tok
         else:  # fp8 codes, LM-head columns and pooled vectors are computed on the device first
             target.outputs.add_columns(rows, out, input_ids)
             ready = None
-        yield rows, len(batch) * longest, ready
+        yield rows, input_ids.numel(), ready
 
 
 def with_output_columns(target: Target, rows: list[dict], device: torch.device) -> tuple[list[dict], int]:

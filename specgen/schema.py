@@ -19,7 +19,7 @@ from specgen.errors import SpecgenError
 
 @dataclass(frozen=True)
 class Key:
-    """One configuration key: `kind` is int | float | bool | str | list | dict (dict: free-form, not descended)."""
+    """One configuration key: `kind` is int, float, bool, str, str|int, list or dict (free-form, not descended)."""
 
     kind: str
     nullable: bool = False
@@ -60,7 +60,7 @@ KEYS: dict[str, Key] = {
     "capture.token_logprobs": _k("bool"),
     "capture.logprob_temperature": _k("float", min=0),
     "capture.pooled": _k("str", choices=("none", "mean", "mean_trainable", "last")),
-    "capture.pooled_layer": _k("str"),
+    "capture.pooled_layer": _k("str|int"),  # last, or one of capture.aux_layers
     "capture.lm_head_chunk_tokens": _k("int", min=POSITIVE),
     "capture.prefix_reuse": _k("bool"),
     "capture.prefix_min_tokens": _k("int", min=POSITIVE),
@@ -83,11 +83,11 @@ KEYS: dict[str, Key] = {
     "pipeline.write_queue": _k("int", min=POSITIVE),
     "pipeline.heartbeat_s": _k("float", min=0),
     "engine.name": _k("str", choices=("hf", "deepspeed")),
-    "engine.backend": _k("str", choices=("auto", "nccl", "gloo")),
+    "engine.dist_backend": _k("str", choices=("auto", "nccl", "gloo")),
     "engine.config": _k("dict"),
     # train: the draft and its optimisation
     "mode": _k("str", choices=("offline", "online")),
-    "distributed.backend": _k("str", choices=("ddp", "deepspeed")),
+    "distributed.strategy": _k("str", choices=("ddp", "deepspeed")),
     "distributed.deepspeed": _k("dict"),
     "draft.path": _k("str", null=True),
     "draft.init": _k("str", null=True),
@@ -196,7 +196,8 @@ def _check_value(name: str, value, spec: Key) -> None:
         raise SpecgenError(f"{name}={value} must be >= {spec.min}")
 
 
-_KINDS = {"int": int, "float": (int, float), "bool": bool, "str": str, "list": (list, tuple), "dict": dict}
+_KINDS = {"int": int, "float": (int, float), "bool": bool, "str": str, "str|int": (str, int), "list": (list, tuple),
+          "dict": dict}
 
 
 def _check_kind(name: str, value, kind: str) -> None:

@@ -269,12 +269,12 @@ def make_backend(cfg: DictConfig, objective: TTTObjective, optimizer, scheduler,
                  world_size: int) -> DDPBackend | DeepSpeedBackend:
     common = dict(device=device, world_size=world_size, grad_accum=cfg.train.grad_accum,
                   grad_clip=cfg.train.grad_clip)
-    if cfg.distributed.backend == "ddp":
+    if cfg.distributed.strategy == "ddp":
         return DDPBackend(objective, optimizer, scheduler, **common)
-    if cfg.distributed.backend == "deepspeed":
+    if cfg.distributed.strategy == "deepspeed":
         return DeepSpeedBackend(objective, optimizer, scheduler, **common,
                                 ds_config=to_container(cfg.distributed.deepspeed))
-    raise SpecgenError(f"distributed.backend={cfg.distributed.backend!r} is unknown; use distributed=ddp or "
+    raise SpecgenError(f"distributed.strategy={cfg.distributed.strategy!r} is unknown; use distributed=ddp or "
                        "distributed=zero2")
 
 

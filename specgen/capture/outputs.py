@@ -35,6 +35,7 @@ import pyarrow as pa
 import torch
 from omegaconf import DictConfig
 
+from specgen.capture.positions import position_chunks
 from specgen.capture.target import CaptureOutput, TargetCapture
 from specgen.errors import SpecgenError
 from specgen.store import fp8
@@ -189,22 +190,19 @@ class SampleOutputs:
         trainable = torch.zeros_like(has_next)
         trainable[:, :-1] = loss_mask[:, 1:] & has_next[:, :-1]
         needed = has_next if self.token_logprobs else trainable
-        rows_at, positions_at = needed.nonzero(as_tuple=True)  # row-major: each row's positions in order
-        keep_logits = trainable[rows_at, positions_at] if self.token_logprobs else None  # else: all of them
         logprobs = torch.full((batch, seq_len), float("nan"), device=input_ids.device)
         kept = {name: [] for name in self._logit_columns()}
-        for start in range(0, len(rows_at), self.lm_head_chunk_tokens):
-            chunk = slice(start, start + self.lm_head_chunk_tokens)
-            logits = self.capture.lm_head(last_hidden_state[rows_at[chunk], positions_at[chunk]])
+        for rows_at, positions_at in position_chunks(needed, self.lm_head_chunk_tokens):  # row-major order
+            logits = self.capture.lm_head(last_hidden_state[rows_at, positions_at])
             if self.token_logprobs:
                 scaled = logits.float() / self.temperature
-                next_ids = input_ids[rows_at[chunk], positions_at[chunk] + 1]
-                logprobs[rows_at[chunk], positions_at[chunk]] = (
+                next_ids = input_ids[rows_at, positions_at + 1]
+                logprobs[rows_at, positions_at] = (
                     scaled.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1) - scaled.logsumexp(-1))
             if self.logits == "none":
                 continue
-            if keep_logits is not None:
-                logits = logits[keep_logits[chunk]]
+            if self.token_logprobs:  # log-probs needed every position; logits are kept at trainable ones only
+                logits = logits[trainable[rows_at, positions_at]]
             if self.logits == "topk":
                 values, indices = logits.topk(self.topk, dim=-1)
                 kept["topk_values"].append(values.cpu())

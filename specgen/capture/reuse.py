@@ -20,6 +20,7 @@ import torch
 
 from specgen.capture.kv import LayerKV, PastKV
 from specgen.capture.target import TargetCapture
+from specgen.data.batching import pad_right
 from specgen.data.prefixes import PrefixPlan
 from specgen.data.sample import TokenizedSample
 
@@ -118,9 +119,8 @@ class _UnitRun:
         """Run one batch; return its states on the CPU and its padded size. With keep_kv, the prefix segments it
         computes keep their keys/values and states for the levels below."""
         lengths = [len(item) for item in batch]
-        input_ids = torch.full((len(batch), max(lengths)), self.pad_id, dtype=torch.long)
-        for b, item in enumerate(batch):
-            input_ids[b, : len(item)] = torch.tensor(self.samples[item.source].input_ids[item.start:item.end])
+        input_ids = pad_right([self.samples[item.source].input_ids[item.start:item.end] for item in batch],
+                              self.pad_id)
         past = None
         if batch[0].past is not None:  # level 0 continues nothing, every deeper level continues a prefix
             past = PastKV(lengths=torch.tensor([item.start for item in batch], device=self.device),

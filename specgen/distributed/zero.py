@@ -143,7 +143,7 @@ def load_zero3_target(model_cfg, engine_cfg, device: torch.device):
     """
     from transformers.integrations import HfDeepSpeedConfig
 
-    init_deepspeed(engine_cfg["backend"], device)
+    init_deepspeed(engine_cfg["dist_backend"], device)
     config = deepspeed_config(engine_cfg["config"], checkpoint_dtype(model_cfg["path"], model_cfg["dtype"]))
     keepalive = HfDeepSpeedConfig(config)  # while alive, from_pretrained loads straight into ZeRO-3 partitions
     # device_map=None: DeepSpeed places the partitions (transformers refuses a device_map under ZeRO-3).

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from specgen.capture import TargetCapture
+from specgen.data.batching import pad_right
 from specgen.data.prepare import prepare_rows
 from specgen.data.sample import TokenizedSample
 from specgen.data.sources import iter_records
@@ -60,11 +61,8 @@ class OnlineBatches:
 
     def capture_batch(self, samples: list[TokenizedSample]) -> DraftBatch:
         lengths = torch.tensor([len(sample) for sample in samples])
-        input_ids = torch.full((len(samples), int(lengths.max())), self.pad_id, dtype=torch.long)
-        loss_mask = torch.zeros_like(input_ids)
-        for row, sample in enumerate(samples):
-            input_ids[row, : len(sample)] = torch.tensor(sample.input_ids)
-            loss_mask[row, : len(sample)] = torch.tensor(sample.loss_mask)
+        input_ids = pad_right([sample.input_ids for sample in samples], self.pad_id)
+        loss_mask = pad_right([sample.loss_mask for sample in samples], 0)
         out = self.capture(input_ids, lengths)
         # The capture runs in inference mode; its tensors must become ordinary ones before autograd sees them.
         # Padding positions hold unspecified values: zero them, as the offline collate does.

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
 
+from specgen.capture.positions import position_chunks
 from specgen.draft.vocab import VocabMapping
 from specgen.errors import SpecgenError
 
@@ -104,9 +105,7 @@ class TargetHead:
         device = self.weight.device
         probs = torch.zeros(batch, seq_len, len(self.draft_to_target), dtype=torch.float32, device=device)
         argmax = torch.full((batch, seq_len), -1, dtype=torch.long, device=device)
-        rows, cols = needed.nonzero(as_tuple=True)
-        for start in range(0, len(rows), self.chunk_tokens):
-            r, c = rows[start:start + self.chunk_tokens], cols[start:start + self.chunk_tokens]
+        for r, c in position_chunks(needed, self.chunk_tokens):
             logits = F.linear(last_hidden_state[r, c].to(device=device, dtype=self.weight.dtype), self.weight)
             logits = logits.float()
             argmax[r, c] = logits.argmax(-1)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specgen.data.batching import pad_right
 from specgen.draft.model import DraftKV, Eagle3Draft
 from specgen.draft.target_head import TargetDistribution, TargetHead
 
@@ -52,14 +53,12 @@ def collate(rows: list[dict], pad_id: int = 0) -> DraftBatch:
     lengths = torch.tensor([len(row["input_ids"]) for row in rows])
     longest = int(lengths.max())
     first = rows[0]
-    input_ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(len(rows), longest, dtype=torch.long)
+    input_ids = pad_right([row["input_ids"] for row in rows], pad_id)
+    loss_mask = pad_right([row["loss_mask"] for row in rows], 0)
     aux = first["aux_hidden_states"].new_zeros(len(rows), longest, first["aux_hidden_states"].shape[-1])
     last = first["last_hidden_state"].new_zeros(len(rows), longest, first["last_hidden_state"].shape[-1])
     for b, row in enumerate(rows):
         n = len(row["input_ids"])
-        input_ids[b, :n] = torch.as_tensor(row["input_ids"])
-        loss_mask[b, :n] = torch.as_tensor(row["loss_mask"])
         aux[b, :n] = row["aux_hidden_states"]
         last[b, :n] = row["last_hidden_state"]
     return DraftBatch(input_ids, loss_mask, aux, last, lengths)

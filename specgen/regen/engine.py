@@ -17,6 +17,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from specgen.data.batching import token_budget_batches
 from specgen.errors import SpecgenError
+from specgen.runtime import stop_token_ids
 
 
 @dataclass(frozen=True)
@@ -62,30 +63,13 @@ class Completion:
         return len(self.token_ids) + int(self.finished)
 
 
-def stop_token_ids(model: PreTrainedModel, tokenizer) -> list[int]:
-    """The tokens that end a turn: the checkpoint's generation eos ids (often several, e.g. Llama-3.1's
-    <|eot_id|> and <|eom_id|>) plus the tokenizer's eos token."""
-    configured = model.generation_config.eos_token_id
-    ids = [configured] if isinstance(configured, int) else list(configured or [])
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    ids = list(dict.fromkeys(ids))
-    if not ids:
-        raise SpecgenError("neither the model's generation_config.json nor its tokenizer names an eos token, so a "
-                           "turn could never end; add eos_token_id to generation_config.json in model.path")
-    return ids
-
-
 @dataclass(frozen=True)
 class _Request:
-    """A prompt as `token_budget_batches` sees it: its length counts the tokens it may grow to in the KV cache."""
+    """A prompt to complete; `capacity` is what it costs in a batch: the KV-cache positions it may grow to."""
 
     index: int
     prompt: list[int]
     capacity: int
-
-    def __len__(self) -> int:
-        return self.capacity
 
 
 class Generator:
@@ -120,7 +104,8 @@ class Generator:
         requests = [_Request(i, prompt, len(prompt) + self.sampling.max_new_tokens)
                     for i, prompt in enumerate(prompts)]
         completions: list[Completion | None] = [None] * len(requests)
-        for batch in token_budget_batches(requests, self.batch_tokens, self.batch_size):
+        for batch in token_budget_batches(requests, self.batch_tokens, self.batch_size,
+                                          length=lambda request: request.capacity):
             done = self._generate([request.prompt for request in batch])
             for request, completion in zip(batch, done):
                 completions[request.index] = completion

@@ -1,6 +1,6 @@
-"""What every stage needs to run, in one place: the device, the tokenizer (more shared runtime lands here)."""
+"""What every stage needs to run, in one place: the device and CPU threads, the tokenizer and the tokens that end a turn."""
 
 from specgen.runtime.device import resolve_device, set_threads
-from specgen.runtime.tokenizer import load_tokenizer
+from specgen.runtime.tokenizer import load_tokenizer, stop_token_ids
 
-__all__ = ["load_tokenizer", "resolve_device", "set_threads"]
+__all__ = ["load_tokenizer", "resolve_device", "set_threads", "stop_token_ids"]

@@ -35,6 +35,7 @@ from specgen.progress import Progress, format_table
 from specgen.regen.engine import Generator, Sampling
 from specgen.regen.parts import finished_parts, part_name, read_sidecar, remove_partial, write_part
 from specgen.regen.turns import COUNTS, ConversationRegenerator, TurnPolicy
+from specgen.store.commit import write_text_atomic
 from specgen.store.manifest import REJECTED, write_manifest
 
 log = logging.getLogger("specgen.regenerate")
@@ -139,10 +140,8 @@ def sum_stats(sidecars: list[dict]) -> dict:
 def finish(cfg: DictConfig, out_dir: Path, units: list[int], model, identity: dict) -> dict:
     """Main process: gather every part's sidecar into rejected.jsonl and the manifest (written last)."""
     sidecars = [read_sidecar(out_dir, unit) for unit in units]
-    rejected = out_dir / REJECTED
-    tmp = rejected.with_name(rejected.name + ".tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for sidecar in sidecars for row in sidecar["rejected"]))
-    tmp.replace(rejected)
+    write_text_atomic(out_dir / REJECTED,
+                      "".join(json.dumps(row) + "\n" for sidecar in sidecars for row in sidecar["rejected"]))
     manifest = {
         "format": FORMAT, "format_version": 1,
         "parts": [part_name(unit) for unit in units],

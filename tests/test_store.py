@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from specgen.errors import SpecgenError
+from specgen.store.commit import content_hash
 from specgen.store import (ShardSpec, ShardWriter, finished_shards, merge_rejected, open_shards, read_manifest,
                            read_sidecar, remove_partial, shard_name, summarize_shards, write_manifest)
 
@@ -219,7 +220,10 @@ def test_shard_names_and_sidecars(tmp_path):
     spec = ShardSpec(hidden_size=4, num_aux=1, dtype="float16")
     write_shard(tmp_path, 123456, spec, make_rows(spec, [2]), stats={"samples": 1}, rejected=[{"id": "x"}])
     assert list(finished_shards(tmp_path)) == [123456]
-    assert read_sidecar(tmp_path, 123456) == {"stats": {"samples": 1}, "rejected": [{"id": "x"}]}
+    sidecar = read_sidecar(tmp_path, 123456)
+    assert {k: sidecar[k] for k in ("stats", "rejected")} == {"stats": {"samples": 1}, "rejected": [{"id": "x"}]}
+    shard = tmp_path / shard_name(123456)
+    assert sidecar["checksum"] == {"sha256": content_hash(shard), "bytes": shard.stat().st_size}
     with pytest.raises(SpecgenError, match="re-run"):
         read_sidecar(tmp_path, 0)
 

@@ -13,7 +13,6 @@ weights) so resuming is exact; `config.json` names the target's dtype for servin
 """
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from specgen.draft.model import Eagle3Draft
 from specgen.errors import SpecgenError
+from specgen.store.commit import atomic_write
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -29,10 +29,7 @@ TRAINING_STATE = "training_state"
 _NOT_STORED = ("embed_tokens.weight",)
 
 
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+_write_atomic = atomic_write  # write(tmp) produces the file; fsync'd and renamed into place
 
 
 def serving_config(config: transformers.LlamaConfig, specgen_info: dict) -> dict:

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from specgen.draft.distributed import Backend
 from specgen.draft.target_head import TargetHead
 from specgen.draft.ttt import DraftBatch, batch_target, step_metrics
+from specgen.store.commit import write_json_atomic
 
 log = logging.getLogger("specgen.train")
 
@@ -57,9 +58,7 @@ class TrainerState:
 
     def save(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / (STATE + ".tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        tmp.replace(folder / STATE)
+        write_json_atomic(folder / STATE, asdict(self), indent=None)
 
     @classmethod
     def load(cls, folder: Path) -> "TrainerState":

@@ -47,6 +47,7 @@ from specgen.progress import format_table, human_bytes
 from specgen.runtime import load_tokenizer, resolve_device
 from specgen.store.manifest import merge_rejected, summarize_shards, write_manifest
 from specgen.store.prefix_layout import PrefixRefEncoder, bytes_flat
+from specgen.store.lease import hold_job_lease
 from specgen.store.schema import ShardSpec
 from specgen.store.writer import finished_shards, remove_partial, shard_name
 
@@ -197,7 +198,7 @@ def unit_batches(cfg: DictConfig, unit: PreparedUnit, target: Target, plan, devi
 
 
 def capture_units(cfg: DictConfig, units: Iterable[PreparedUnit], target: Target, writer: BackgroundWriter,
-                  monitor: JobMonitor, device: torch.device) -> None:
+                  monitor: JobMonitor, device: torch.device, lease=None) -> None:
     """The main thread's loop: capture every unit's batches and hand them to the writer, one shard per unit."""
     for unit in units:
         stats, sequences = unit.stats, [s.input_ids for s in unit.samples]
@@ -215,6 +216,8 @@ def capture_units(cfg: DictConfig, units: Iterable[PreparedUnit], target: Target
             monitor.check()
         stats["tokens_stored"] = encoder.tokens_stored if encoder else stats["tokens"]
         stats["rejected"] = dict(Counter(r["reason"] for r in unit.rejected))
+        if lease is not None:
+            lease.check()  # a job that lost output.dir to another commits nothing more
         writer.commit(stats, unit.rejected, unit.source_rows)
         monitor.check()
     if isinstance(target.capture, ZeroCapture):
@@ -358,6 +361,15 @@ def run(cfg: DictConfig) -> dict | None:
     resolve_device(cfg.runtime.device)  # a one-line error for a device that is not there
     workers = init_workers(cfg.runtime.device)
     require_shared_output_dir(cfg, workers)
+    out_dir = Path(cfg.output.dir)
+    # Before anything else touches output.dir: another live job on it is refused here, in one line.
+    with hold_job_lease(out_dir, stage="generate", is_main=workers.is_main, broadcast=workers.broadcast,
+                        stale_s=cfg.output.lease_stale_s) as lease:
+        return generate_into(cfg, out_dir, workers, lease)
+
+
+def generate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease) -> dict | None:
+    """The job once its main process holds the lease on `out_dir` (`lease.check()` before each commit)."""
     device = workers.device
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     chat = ChatTemplateTokenizer(tokenizer, max_length=cfg.data.max_length, train_turns=cfg.data.train_turns,
@@ -365,7 +377,6 @@ def run(cfg: DictConfig) -> dict | None:
                                  chat_template_kwargs=to_container(cfg.data)["chat_template_kwargs"])
     target = load_capture(cfg, tokenizer, device)
     identity = dataset_identity(cfg, config_hash(target.capture.model), chat_template_sha256(tokenizer))
-    out_dir = Path(cfg.output.dir)
     done = claim_for_job(cfg, out_dir, identity, workers)
 
     records = iter_records(cfg.data.path)
@@ -379,7 +390,7 @@ def run(cfg: DictConfig) -> dict | None:
         with closing(units), BackgroundWriter(out_dir, target.spec, depth=cfg.pipeline.write_queue,
                                               on_batch=lambda tokens: monitor.add(tokens=tokens),
                                               on_commit=lambda rows: monitor.add(rows=rows)) as writer:
-            capture_units(cfg, units, target, writer, monitor, device)
+            capture_units(cfg, units, target, writer, monitor, device, lease)
         job, seconds = monitor.finish()
     except BaseException as error:
         monitor.fail()
@@ -391,6 +402,7 @@ def run(cfg: DictConfig) -> dict | None:
     if not workers.is_main:
         return None
 
+    lease.check()
     manifest = build_manifest(cfg, out_dir, target, tokenizer, identity)
     manifest["last_run"] = {"computed_tokens": job.tokens, "seconds": seconds,
                             "tokens_per_second": job.tokens / max(seconds, 1e-9), "device": str(device),

@@ -54,6 +54,7 @@ from specgen.draft.vocab import (
 from specgen.errors import SpecgenError
 from specgen.progress import format_table
 from specgen.runtime import load_tokenizer, resolve_device
+from specgen.store.lease import hold_job_lease
 from specgen.store.reader import open_shards
 
 log = logging.getLogger("specgen.train")
@@ -87,8 +88,30 @@ def run(cfg: DictConfig) -> dict:
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
     accelerator = _accelerator(cfg)
-    device, is_main = accelerator.device, accelerator.is_main_process
+    is_main = accelerator.is_main_process
     out_dir = Path(cfg.output.dir)
+    # Before anything else touches output.dir: another live job on it is refused here, in one line.
+    with hold_job_lease(out_dir, stage="train", is_main=is_main, broadcast=_broadcaster(accelerator),
+                        stale_s=cfg.output.lease_stale_s) as lease:
+        return train_into(cfg, accelerator, out_dir, lease)
+
+
+def _broadcaster(accelerator):
+    """The main process's value on every process (a barrier too)."""
+
+    def broadcast(value):
+        if accelerator.num_processes == 1:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value], from_process=0)[0]
+
+    return broadcast
+
+
+def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
+    """The training job once its main process holds the lease on `out_dir` (checked before each save)."""
+    device, is_main = accelerator.device, accelerator.is_main_process
     resume = bool(cfg.train.resume)
     if is_main:
         _claim_output_dir(out_dir, resume=resume, overwrite=cfg.output.overwrite)
@@ -121,6 +144,7 @@ def run(cfg: DictConfig) -> dict:
             "data": data.description, "ttt_length": cfg.train.ttt_length, "specgen_config": to_container(cfg)}
 
     def save(state: TrainerState) -> None:
+        lease.check()
         save_draft(draft, out_dir, {**info, "step": state.step, "epoch": state.epoch})
 
     if cfg.train.tensorboard:

@@ -86,6 +86,7 @@ def test_resume_after_kill_gives_the_uninterrupted_dataset(small_target, tmp_pat
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (interrupted / "manifest.json").exists()
+    assert (interrupted / ".specgen-lease.json").exists()  # the killed job's lease: taken over at once below
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
     got, want = load_rows(interrupted), load_rows(reference)
     assert [r["sample_id"] for r in got] == [r["sample_id"] for r in want]
@@ -93,6 +94,38 @@ def test_resume_after_kill_gives_the_uninterrupted_dataset(small_target, tmp_pat
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
         torch.testing.assert_close(a["aux_hidden_states"], b["aux_hidden_states"])
         torch.testing.assert_close(a["last_hidden_state"], b["last_hidden_state"])
+
+
+def assert_same_rows(got_dir: Path, want_dir: Path) -> None:
+    got, want = load_rows(got_dir), load_rows(want_dir)
+    assert [r["sample_id"] for r in got] == [r["sample_id"] for r in want]
+    for a, b in zip(got, want):
+        for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"):
+            assert torch.equal(a[name], b[name]), name
+
+
+def test_a_second_job_on_a_live_directory_is_refused_and_the_first_is_unharmed(small_target, tmp_path):
+    reference = tmp_path / "reference"
+    generate(small_target, reference, "capture.batch_tokens=256")  # the same batches: bit-identical rows
+    busy = tmp_path / "busy"
+    cmd = [sys.executable, "-m", "specgen.generate", f"model.path={small_target}", f"output.dir={busy}",
+           "runtime.progress=false", "data.max_rows=24", "output.shard_size=8", "capture.batch_tokens=256"]
+    first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (busy / ".specgen-lease.json").exists() and time.time() < deadline:
+        time.sleep(0.02)
+    first.send_signal(signal.SIGSTOP)  # the first job is alive but paused: the second must not touch its files
+    try:
+        for extra in ([], ["output.overwrite=true"]):
+            second = subprocess.run([*cmd, *extra], cwd=REPO, capture_output=True, text=True)
+            assert second.returncode == 2
+            lines = second.stderr.strip().splitlines()
+            assert len(lines) == 1 and "is in use by generate" in lines[0] and f"pid {first.pid}" in lines[0]
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert first.wait(timeout=300) == 0, first.stderr.read()
+    assert_same_rows(busy, reference)
+    assert not (busy / ".specgen-lease.json").exists()
 
 
 def test_bad_rows_are_reported_and_good_rows_kept(small_target, tmp_path):

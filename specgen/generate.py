@@ -45,7 +45,7 @@ from specgen.outdir import claim_output_dir, fingerprint
 from specgen.pipeline import BackgroundWriter, copy_to_host, prefetched, to_device
 from specgen.progress import format_table, human_bytes
 from specgen.runtime import load_tokenizer, resolve_device
-from specgen.store.manifest import merge_rejected, summarize_shards, write_manifest
+from specgen.store.manifest import merge_rejected, shard_checksums, summarize_shards, write_manifest
 from specgen.store.prefix_layout import PrefixRefEncoder, bytes_flat
 from specgen.store.lease import hold_job_lease
 from specgen.store.schema import ShardSpec
@@ -269,6 +269,7 @@ def build_manifest(cfg: DictConfig, out_dir: Path, target: Target, tokenizer, id
         "codec": "fp8" if target.spec.codec == "fp8" else target.spec.dtype,
         "outputs": {**target.outputs.describe(), "filter": target.sample_filter.describe()},
         "shards": shards,
+        "checksums": {name: checksum for name, checksum in shard_checksums(out_dir).items() if name in shards},
         "stats": {**stats,
                   **({"logprobs": logprob_statistics([out_dir / name for name in shards])}
                      if target.spec.token_logprobs else {})},

@@ -221,6 +221,32 @@ def test_verify_passes_and_catches_a_wrong_model(small_target, tmp_path):
     assert bad.returncode == 1 and "differs from the HF forward" in bad.stderr
 
 
+def flip_low_bit(path: Path) -> None:
+    """Flip bit 0 of a 4-byte-aligned byte in the middle of the file: the lowest mantissa bit of a stored float."""
+    data = bytearray(path.read_bytes())
+    data[(len(data) // 2) & ~3] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_low_order_bit_fails_verify_naming_the_shard(small_target, tmp_path):
+    out = tmp_path / "out"
+    manifest = generate(small_target, out)
+    assert set(manifest["checksums"]) == set(manifest["shards"]) and all(manifest["checksums"].values())
+    open_shards(out, verify=True)
+    flip_low_bit(out / "shard-00000.arrow")
+    flip_low_bit(out / "shard-00002.arrow")
+    assert len(open_shards(out)) == manifest["stats"]["samples"]  # the damage is invisible to a plain read
+    with pytest.raises(SpecgenError, match="shard-00000.arrow.*shard-00002.arrow"):
+        open_shards(out, verify=True)
+    bad = subprocess.run([sys.executable, "-m", "specgen.verify", f"output.dir={out}", "verify.samples=0"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert bad.returncode == 1
+    problems = [line for line in bad.stderr.splitlines() if line.startswith("  - ")]
+    assert len(problems) == 2  # the checksums alone: every structural check still passes
+    assert "shard-00000.arrow: checksum mismatch" in problems[0] and "shard-00002.arrow" in problems[1]
+    assert "1 of 3 shards intact" in bad.stdout
+
+
 def test_prefix_reuse_store_once_and_fp8_outputs_equal_the_plain_run(small_target, tmp_path):
     """The features compose: reuse + store-once + fp8 + log-probs give the rows the plain flat run gives."""
     system = "You are a careful assistant. " * 12  # a long shared system prompt: one prefix for every row

@@ -79,6 +79,13 @@ def test_offline_training_writes_a_servable_checkpoint(shards, target, tmp_path)
     draft = load_draft(ckpt, embedding=embedding.detach())
     assert all(torch.equal(draft.state_dict()[name], tensor) for name, tensor in weights.items())
 
+    assert set(config["specgen"]["checksums"]) == {"model.safetensors"}
+    data = bytearray((ckpt / "model.safetensors").read_bytes())
+    data[-5] ^= 1  # one bit in the stored tensors
+    (ckpt / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(SpecgenError, match="model.safetensors: checksum mismatch"):
+        load_draft(ckpt, embedding=embedding.detach())
+
 
 def test_training_lowers_the_loss(shards, tmp_path):
     ckpt = tmp_path / "ckpt"

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from specgen.errors import SpecgenError
-from specgen.store.commit import write_json_atomic, write_text_atomic
+from specgen.store.commit import HASH_ALGORITHM, write_json_atomic, write_text_atomic
 from specgen.store.writer import finished_shards, read_sidecar
 
 MANIFEST = "manifest.json"
@@ -53,6 +53,13 @@ def summarize_shards(out_dir: str | Path) -> dict:
     tokens = totals.get("tokens", 0)
     return {**totals, "num_shards": len(shards), "shards": [path.name for path in shards.values()],
             "bytes_on_disk": bytes_on_disk, "bytes_per_token": bytes_on_disk / tokens if tokens else None}
+
+
+def shard_checksums(out_dir: str | Path) -> dict[str, str | None]:
+    """Each finished shard's content hash, as its sidecar recorded it at commit (None for shards made before
+    checksums existed)."""
+    return {path.name: read_sidecar(out_dir, index).get("checksum", {}).get(HASH_ALGORITHM)
+            for index, path in finished_shards(out_dir).items()}
 
 
 def merge_rejected(out_dir: str | Path) -> int:

@@ -71,6 +71,16 @@ def test_default_layers_and_manifest(small_target, tmp_path):
     assert stats["bytes_on_disk"] <= 1.05 * payload
     counts = json.loads((tmp_path / "out" / "token_counts.json").read_text())
     assert sum(counts["counts"].values()) == stats["trainable_tokens"]
+    from transformers import AutoModelForCausalLM
+
+    head = AutoModelForCausalLM.from_pretrained(small_target).lm_head
+    want: dict[str, int] = {}
+    for row in rows:  # the target's top token at each trainable position t (loss_mask[t + 1] == 1)
+        positions = row["loss_mask"][1:].nonzero().flatten()
+        for token in head(row["last_hidden_state"][positions]).argmax(-1).tolist():
+            want[str(token)] = want.get(str(token), 0) + 1
+    top = json.loads((tmp_path / "out" / "target_token_counts.json").read_text())
+    assert top == {"vocab_size": 2048, "counts": dict(sorted(want.items(), key=lambda kv: int(kv[0])))}
 
 
 def test_resume_after_kill_gives_the_uninterrupted_dataset(small_target, tmp_path):
@@ -267,3 +277,5 @@ def test_prefix_reuse_store_once_and_fp8_outputs_equal_the_plain_run(small_targe
         assert torch.equal(row["input_ids"], want["input_ids"])
         for name in ("aux_hidden_states", "last_hidden_state", "token_logprobs"):
             torch.testing.assert_close(row[name].float(), want[name].float(), rtol=2e-2, atol=2e-2, equal_nan=True)
+    top = {name: json.loads((tmp_path / name / "target_token_counts.json").read_text()) for name in ("plain", "reused")}
+    assert top["plain"] == top["reused"]  # the target's top tokens, counted on either path

@@ -25,6 +25,7 @@ from specgen.errors import SpecgenError
 log = logging.getLogger("specgen.draft")
 
 TOKEN_COUNTS = "token_counts.json"
+TARGET_TOKEN_COUNTS = "target_token_counts.json"  # the target's top token at trainable positions (generate)
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,36 @@ def test_a_second_job_on_a_live_directory_is_refused_and_the_first_is_unharmed(s
     assert not (busy / ".specgen-lease.json").exists()
 
 
+def test_a_full_disk_mid_shard_is_one_line_and_a_rerun_resumes(small_target, tmp_path):
+    """A file-size limit (ulimit -f: EFBIG, what a full disk gives as ENOSPC) lets shard 0 commit, then stops shard 1
+    mid-write; nothing half-written is left looking finished, and a re-run without the limit completes the data."""
+    import resource
+
+    args = ["runtime.progress=false", "data.max_rows=24", "output.shard_size=8", "capture.batch_tokens=256"]
+    reference = tmp_path / "reference"
+    generate(small_target, reference, "capture.batch_tokens=256")
+    sizes = [(reference / f"shard-0000{i}.arrow").stat().st_size for i in range(3)]
+    assert sizes[1] > sizes[0]
+    limit = sizes[0] + 1024  # shard 0 (and every small file) fits; shard 1 cannot
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    full = tmp_path / "full"
+    cmd = [sys.executable, "-m", "specgen.generate", f"model.path={small_target}", f"output.dir={full}", *args]
+    failed = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, preexec_fn=limited)
+    assert failed.returncode == 2
+    lines = failed.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: out of disk space in {full}: the file being written needs at least ")
+    needed = int(lines[0].split("needs at least ")[1].split(" ")[0].replace(",", ""))
+    assert needed > limit  # the bytes shard 1 needs so far, more than the limit allowed
+    assert sorted(p.name for p in full.glob("shard-*")) == ["shard-00000.arrow", "shard-00000.json"]
+    assert not list(full.glob("*.tmp")) and not (full / "manifest.json").exists()
+
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)  # space freed: resumes
+    assert_same_rows(full, reference)
+
+
 def test_bad_rows_are_reported_and_good_rows_kept(small_target, tmp_path):
     good = {"id": "good", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}
     lines = [json.dumps(good), "{this is not json",

@@ -72,14 +72,15 @@ def is_disk_full(error: BaseException) -> bool:
 
 
 def disk_full_error(directory: Path, needed: int, error: BaseException) -> DiskFull:
-    """The one-line error for a full disk: where, how many bytes were needed, how many are free, what to do."""
+    """The one-line error for a full disk: where, how many bytes the file needs (so far), how many are free, what
+    to do. A file-size limit (`ulimit -f`, EFBIG) reads the same, with the disk's real free space."""
     try:
         free = shutil.disk_usage(directory).free
         free_text = f", {free:,} free"
     except OSError:
         free_text = ""
-    return DiskFull(f"out of disk space in {directory}: writing needs about {needed:,} more bytes{free_text} "
-                    f"({error.strerror or error}); free space and re-run the same command to resume")
+    return DiskFull(f"out of disk space in {directory}: the file being written needs at least {needed:,} bytes"
+                    f"{free_text} ({error}); free space and re-run the same command to resume")
 
 
 @contextmanager

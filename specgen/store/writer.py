@@ -102,8 +102,12 @@ class ShardWriter:
 
     def __exit__(self, *exc_info) -> None:
         if not self.committed:
-            self._close()
-            self.tmp_path.unlink(missing_ok=True)
+            try:
+                self._close()
+            except OSError:  # closing writes the footer, which fails again on a full disk; the file goes anyway
+                pass
+            finally:
+                self.tmp_path.unlink(missing_ok=True)
 
     def write(self, rows: list[dict]) -> None:
         """Append `rows` as one record batch (each row: a dict with every column of the schema)."""
@@ -144,8 +148,10 @@ class ShardWriter:
 
     def _close(self) -> None:
         if not self._sink.closed:
-            self._writer.close()
-            self._sink.close()
+            try:
+                self._writer.close()
+            finally:
+                self._sink.close()
 
 
 def _footer_opens(path: Path) -> bool:

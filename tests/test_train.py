@@ -162,3 +162,13 @@ def test_training_that_scores_nothing_stops_with_an_error_about_the_draft_vocabu
            "draft.vocab_source=target"])
     lines = metrics(ckpt)
     assert all(line["scored"] == 1.0 and line["trainable_positions"] > 0 and line["loss"] > 0 for line in lines)
+
+
+def test_a_second_job_on_a_checkpoint_directory_is_refused(shards, tmp_path):
+    from specgen.store.lease import LeaseHeld, hold_lease
+
+    ckpt = tmp_path / "ckpt"
+    with hold_lease(ckpt, stage="train"):
+        with pytest.raises(LeaseHeld, match=f"output.dir {ckpt} is in use by train"):
+            train([f"data.shards={shards}", f"output.dir={ckpt}", "train.max_steps=1", "output.overwrite=true"])
+    assert not (ckpt / "model.safetensors").exists()

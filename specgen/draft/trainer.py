@@ -22,7 +22,7 @@ from specgen.draft.distributed import Backend
 from specgen.draft.target_head import TargetHead
 from specgen.draft.ttt import DraftBatch, batch_target, step_metrics
 from specgen.errors import SpecgenError
-from specgen.store.commit import write_json_atomic
+from specgen.store.commit import write_json_atomic, write_text_atomic
 
 log = logging.getLogger("specgen.train")
 
@@ -226,4 +226,4 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    write_text_atomic(path, "".join(line + "\n" for line in kept))

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from specgen.errors import SpecgenError
+from specgen.store.commit import write_json_atomic
 
 log = logging.getLogger("specgen.draft")
 
@@ -98,7 +99,7 @@ def count_trained_tokens(samples: Iterable[tuple[Iterable[int], Iterable[int]]])
 def write_token_counts(path: str | Path, counts: Mapping[int, int], vocab_size: int) -> None:
     """The `token_counts.json` format `specgen.generate` writes: {"vocab_size": V, "counts": {"id": n}}."""
     payload = {"vocab_size": int(vocab_size), "counts": {str(k): int(v) for k, v in sorted(counts.items())}}
-    Path(path).write_text(json.dumps(payload))
+    write_json_atomic(path, payload, indent=None)
 
 
 def read_token_counts(path: str | Path) -> tuple[dict[int, int], int]:

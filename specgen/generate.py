@@ -103,19 +103,21 @@ def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
 
 def count_top_tokens(counts: torch.Tensor | None, target: Target, last_hidden_state: torch.Tensor,
                      loss_masks: list, chunk_tokens: int) -> None:
-    """Add the target's top token at every trainable position (t with loss_mask[t+1] = 1) to `counts` [V] (on the
-    device, no sync): the draft vocabulary of `draft.vocab_source=target`. The LM head runs on those positions only."""
+    """Add the target's top token at every trainable position (t with loss_mask[t+1] = 1) to `counts` [V], on the
+    device and without waiting for it (indices are made on the host, `scatter_add_` rather than `bincount`): the
+    draft vocabulary of `draft.vocab_source=target`. The LM head runs on those positions only."""
     if counts is None:
         return
     needed = torch.zeros(last_hidden_state.shape[:2], dtype=torch.bool)
     for b, mask in enumerate(loss_masks):
         mask = torch.as_tensor(mask, dtype=torch.bool)
         needed[b, : len(mask) - 1] = mask[1:]
-    rows, cols = needed.to(last_hidden_state.device).nonzero(as_tuple=True)
+    rows, cols = (to_device(index, last_hidden_state.device) for index in needed.nonzero(as_tuple=True))
     with torch.no_grad():
         for start in range(0, len(rows), chunk_tokens):
             states = last_hidden_state[rows[start:start + chunk_tokens], cols[start:start + chunk_tokens]]
-            counts += torch.bincount(target.capture.lm_head(states).argmax(-1), minlength=len(counts))
+            top = target.capture.lm_head(states).argmax(-1)
+            counts.scatter_add_(0, top, torch.ones_like(top))
 
 
 def capture_batches(target: Target, samples: list[TokenizedSample], *, batch_tokens: int, max_batch_size: int,

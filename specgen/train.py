@@ -282,7 +282,9 @@ def build_draft(cfg: DictConfig, data: TrainingData, resume_from: Path | None) -
                                f"{data.aux_layers}; regenerate the data with capture.aux_layers={recorded}")
         return draft
     vocab_size = data.target_config.get_text_config().vocab_size
-    mapping = build_vocab_mapping(vocab_counts(cfg, data), vocab_size, cfg.draft.vocab_size)
+    mapping = build_vocab_mapping(vocab_counts(cfg, data), vocab_size, cfg.draft.vocab_size,
+                                  counted={"target": "the target's top tokens at trainable positions"}.get(
+                                      cfg.draft.vocab_source, "the trained tokens"))
     config = draft_config(data.target_config, aux_layers=data.aux_layers,
                           draft_vocab_size=mapping.draft_vocab_size, overrides=to_container(cfg.draft.overrides))
     config.dtype = str(data.lm_head.dtype).removeprefix("torch.")  # what a serving engine should load it as

@@ -100,7 +100,7 @@ class DroppingShardWriter:
     def write(self, rows):
         pass
 
-    def commit(self, stats, rejected):
+    def commit(self, stats, rejected, extra=None):
         pass
 
 
@@ -120,8 +120,8 @@ class InlineWriter:
             ready.synchronize()
         self.shard.write(rows)
 
-    def commit(self, stats, rejected, source_rows):
-        self.shard.commit(stats, rejected)
+    def commit(self, stats, rejected, source_rows, extra=None):
+        self.shard.commit(stats, rejected, extra)
 
 
 def setup(model: Path, args, work: Path, *extra: str):

@@ -28,6 +28,7 @@ from specgen.draft.speculative import Generation, TargetRunner, greedy_generate,
 from specgen.errors import RowError, SpecgenError
 from specgen.runtime import load_tokenizer, resolve_device, set_threads, stop_token_ids
 from specgen.progress import format_table
+from specgen.store.commit import write_json_atomic, write_text_atomic
 
 log = logging.getLogger("specgen.evaluate")
 
@@ -106,8 +107,8 @@ def run(cfg: DictConfig) -> dict:
                    "target_dtype": str(model.dtype).removeprefix("torch."), "device": str(device)})
     out_dir = Path(cfg.output.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "eval.json").write_text(json.dumps(report, indent=2))
-    (out_dir / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    write_json_atomic(out_dir / "eval.json", report)
+    write_text_atomic(out_dir / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
     _print_report(report, out_dir)
     return report
 

@@ -35,6 +35,7 @@ from specgen.data.prepare import prepare_rows
 from specgen.data.sample import TokenizedSample
 from specgen.data.sources import SourceRecord, capped_source, work_units
 from specgen.data.template import ChatTemplateTokenizer, chat_template_sha256
+from specgen.draft.vocab import TARGET_TOKEN_COUNTS, TOKEN_COUNTS
 from specgen.distributed import Workers, init_workers, report_error
 from specgen.distributed.monitor import JobMonitor, PeerFailure
 from specgen.distributed.zero import ZeroCapture, load_zero3_target
@@ -44,13 +45,16 @@ from specgen.outdir import claim_output_dir, fingerprint
 from specgen.pipeline import BackgroundWriter, copy_to_host, prefetched, to_device
 from specgen.progress import format_table, human_bytes
 from specgen.runtime import load_tokenizer, resolve_device, set_threads
-from specgen.store.manifest import merge_rejected, summarize_shards, write_manifest
+from specgen.store.manifest import merge_rejected, shard_checksums, summarize_shards, write_manifest
 from specgen.store.prefix_layout import PrefixRefEncoder, bytes_flat
+from specgen.store.commit import write_json_atomic
+from specgen.store.lease import hold_job_lease
 from specgen.store.schema import ShardSpec
-from specgen.store.writer import finished_shards, remove_partial, shard_name
+from specgen.store.writer import finished_shards, read_sidecar, remove_partial, shard_name
 
 log = logging.getLogger("specgen.generate")
 
+TARGET_TOP = "target_top_tokens"  # the sidecar entry holding one shard's share of TARGET_TOKEN_COUNTS
 AUX_LAYER_CONVENTION = ("aux layer i is the output of decoder layer i (0-based) before the final norm, "
                         "i.e. Hugging Face hidden_states[i + 1]")
 
@@ -97,8 +101,28 @@ def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
                   prefix_reuse=bool(cfg.capture.prefix_reuse) and capture.supports_kv)
 
 
+def count_top_tokens(counts: torch.Tensor | None, target: Target, last_hidden_state: torch.Tensor,
+                     loss_masks: list, chunk_tokens: int) -> None:
+    """Add the target's top token at every trainable position (t with loss_mask[t+1] = 1) to `counts` [V], on the
+    device and without waiting for it (indices are made on the host, `scatter_add_` rather than `bincount`): the
+    draft vocabulary of `draft.vocab_source=target`. The LM head runs on those positions only."""
+    if counts is None:
+        return
+    needed = torch.zeros(last_hidden_state.shape[:2], dtype=torch.bool)
+    for b, mask in enumerate(loss_masks):
+        mask = torch.as_tensor(mask, dtype=torch.bool)
+        needed[b, : len(mask) - 1] = mask[1:]
+    rows, cols = (to_device(index, last_hidden_state.device) for index in needed.nonzero(as_tuple=True))
+    with torch.no_grad():
+        for start in range(0, len(rows), chunk_tokens):
+            states = last_hidden_state[rows[start:start + chunk_tokens], cols[start:start + chunk_tokens]]
+            top = target.capture.lm_head(states).argmax(-1)
+            counts.scatter_add_(0, top, torch.ones_like(top))
+
+
 def capture_batches(target: Target, samples: list[TokenizedSample], *, batch_tokens: int, max_batch_size: int,
-                    device: torch.device, chunk_tokens: int | None = None) -> Iterator[tuple[list[dict], int, None]]:
+                    device: torch.device, chunk_tokens: int | None = None, top_counts: torch.Tensor | None = None,
+                    lm_head_chunk: int = 1024) -> Iterator[tuple[list[dict], int, None]]:
     """Run length-bucketed batches through the target; yield (rows without padding, padded token count, ready).
 
     The rows' tensors may be host tensors still being copied from the device: read them after
@@ -109,6 +133,7 @@ def capture_batches(target: Target, samples: list[TokenizedSample], *, batch_tok
         lengths = torch.tensor([len(s) for s in batch])  # stays on the CPU: checking it must not sync the device
         input_ids = to_device(input_ids, device)
         out = target.capture(input_ids, lengths, chunk_tokens=chunk_tokens)
+        count_top_tokens(top_counts, target, out.last_hidden_state, [s.loss_mask for s in batch], lm_head_chunk)
         rows = [{
             "sample_id": s.sample_id,
             "source_index": s.source_index,  # not a column: lets a filtered row be listed in rejected.jsonl
@@ -126,7 +151,8 @@ def capture_batches(target: Target, samples: list[TokenizedSample], *, batch_tok
         yield rows, input_ids.numel(), ready
 
 
-def with_output_columns(target: Target, rows: list[dict], device: torch.device) -> tuple[list[dict], int]:
+def with_output_columns(target: Target, rows: list[dict], device: torch.device, top_counts: torch.Tensor | None = None,
+                        lm_head_chunk: int = 1024) -> tuple[list[dict], int]:
     """Rows from the prefix-reuse runner carry full hidden states; re-pad them into a batch so the stored columns
     (fp8 codes, logits, log-probs, pooled vectors) come from the one code path the plain capture uses."""
     rows, padded = rows
@@ -140,6 +166,7 @@ def with_output_columns(target: Target, rows: list[dict], device: torch.device) 
         length = len(row["input_ids"])
         input_ids[b, :length] = torch.tensor(row["input_ids"], device=device)
         aux[b, :length], last[b, :length] = row.pop("aux_hidden_states"), row.pop("last_hidden_state")
+    count_top_tokens(top_counts, target, last, [row["loss_mask"] for row in rows], lm_head_chunk)
     target.outputs.add_columns(rows, CaptureOutput(aux_hidden_states=aux, last_hidden_state=last), input_ids)
     return rows, padded
 
@@ -178,22 +205,25 @@ def owned_units(cfg: DictConfig, records: Iterable[SourceRecord], chat: ChatTemp
         yield prepare_unit(cfg, unit, unit_records, chat)
 
 
-def unit_batches(cfg: DictConfig, unit: PreparedUnit, target: Target, plan, device: torch.device):
+def unit_batches(cfg: DictConfig, unit: PreparedUnit, target: Target, plan, device: torch.device,
+                 top_counts: torch.Tensor | None = None):
     """The unit's captured batches, computed in full or continuing shared prefixes from their KV cache."""
+    head_chunk = cfg.capture.lm_head_chunk_tokens
     if not target.prefix_reuse:
         yield from capture_batches(target, unit.samples, batch_tokens=cfg.capture.batch_tokens,
                                    max_batch_size=cfg.capture.max_batch_size, device=device,
-                                   chunk_tokens=cfg.capture.prefill_chunk_tokens)
+                                   chunk_tokens=cfg.capture.prefill_chunk_tokens, top_counts=top_counts,
+                                   lm_head_chunk=head_chunk)
         return
     for batch in capture_with_prefix_reuse(target.capture, unit.samples, plan, batch_tokens=cfg.capture.batch_tokens,
                                            max_batch_size=cfg.capture.max_batch_size,
                                            cache_tokens=cfg.capture.prefix_cache_tokens, pad_id=target.pad_id,
                                            device=device):
-        yield (*with_output_columns(target, batch, device), None)
+        yield (*with_output_columns(target, batch, device, top_counts, head_chunk), None)
 
 
 def capture_units(cfg: DictConfig, units: Iterable[PreparedUnit], target: Target, writer: BackgroundWriter,
-                  monitor: JobMonitor, device: torch.device) -> None:
+                  monitor: JobMonitor, device: torch.device, lease=None) -> None:
     """The main thread's loop: capture every unit's batches and hand them to the writer, one shard per unit."""
     for unit in units:
         stats, sequences = unit.stats, [s.input_ids for s in unit.samples]
@@ -203,7 +233,9 @@ def capture_units(cfg: DictConfig, units: Iterable[PreparedUnit], target: Target
         stats["tokens_computed"] = plan.tokens_computed if target.prefix_reuse else stats["tokens"]
         encoder = PrefixRefEncoder(plan, sequences, target.spec) if target.spec.store_prefix_once else None
         writer.begin(unit.index)
-        for rows, padded, ready in unit_batches(cfg, unit, target, plan, device):
+        top_counts = (torch.zeros(target.capture.lm_head.weight.shape[0], dtype=torch.long, device=device)
+                      if counts_top_tokens(cfg, target) else None)
+        for rows, padded, ready in unit_batches(cfg, unit, target, plan, device, top_counts):
             rows, rejections = target.sample_filter.apply(rows, stats)
             unit.rejected.extend(rejections)
             writer.write(encoder.encode(rows) if encoder else rows, ready)
@@ -211,10 +243,33 @@ def capture_units(cfg: DictConfig, units: Iterable[PreparedUnit], target: Target
             monitor.check()
         stats["tokens_stored"] = encoder.tokens_stored if encoder else stats["tokens"]
         stats["rejected"] = dict(Counter(r["reason"] for r in unit.rejected))
-        writer.commit(stats, unit.rejected, unit.source_rows)
+        if lease is not None:
+            lease.check()  # a job that lost output.dir to another commits nothing more
+        extra = None
+        if top_counts is not None:  # one device sync per unit
+            top_counts = top_counts.cpu()
+            extra = {TARGET_TOP: {str(int(i)): int(top_counts[i]) for i in top_counts.nonzero().flatten()}}
+        writer.commit(stats, unit.rejected, unit.source_rows, extra)
         monitor.check()
     if isinstance(target.capture, ZeroCapture):
         target.capture.drain()
+
+
+def counts_top_tokens(cfg: DictConfig, target: Target) -> bool:
+    """capture.count_target_tokens, where the LM head is whole on this process (not under ZeRO-3)."""
+    return bool(cfg.capture.count_target_tokens) and not isinstance(target.capture, ZeroCapture)
+
+
+def target_token_counts(out_dir: Path, shards: list[str]) -> dict[int, int] | None:
+    """The target's top tokens at trainable positions, summed over the shards' sidecars (None when a shard was
+    made without counting them)."""
+    total: Counter = Counter()
+    for name in shards:
+        counts = read_sidecar(out_dir, int(name.split("-")[1].split(".")[0])).get(TARGET_TOP)
+        if counts is None:
+            return None
+        total.update({int(token): count for token, count in counts.items()})
+    return dict(total)
 
 
 def count_trainable_token_ids(out_dir: Path, shards: list[str], vocab_size: int) -> np.ndarray:
@@ -245,9 +300,14 @@ def build_manifest(cfg: DictConfig, out_dir: Path, target: Target, tokenizer, id
     text_config = capture.model.config.get_text_config()
     counts = count_trainable_token_ids(out_dir, shards, text_config.vocab_size)
     stats = summarize_shards(out_dir)
-    (out_dir / "token_counts.json").write_text(json.dumps(
-        {"vocab_size": int(text_config.vocab_size),
-         "counts": {str(i): int(c) for i in np.flatnonzero(counts) for c in [counts[i]]}}))
+    write_json_atomic(out_dir / TOKEN_COUNTS, {"vocab_size": int(text_config.vocab_size), "counts": {
+        str(i): int(c) for i in np.flatnonzero(counts) for c in [counts[i]]}}, indent=None)
+    top = target_token_counts(out_dir, shards)
+    if top is not None:
+        write_json_atomic(out_dir / TARGET_TOKEN_COUNTS, {"vocab_size": int(text_config.vocab_size), "counts": {
+            str(token): count for token, count in sorted(top.items())}}, indent=None)
+    else:
+        (out_dir / TARGET_TOKEN_COUNTS).unlink(missing_ok=True)
     return {
         "format": "specgen.shards", "format_version": 1,
         "model": {"path": identity["model.path"], "config_hash": identity["model.config_hash"],
@@ -262,6 +322,7 @@ def build_manifest(cfg: DictConfig, out_dir: Path, target: Target, tokenizer, id
         "codec": "fp8" if target.spec.codec == "fp8" else target.spec.dtype,
         "outputs": {**target.outputs.describe(), "filter": target.sample_filter.describe()},
         "shards": shards,
+        "checksums": {name: checksum for name, checksum in shard_checksums(out_dir).items() if name in shards},
         "stats": {**stats,
                   **({"logprobs": logprob_statistics([out_dir / name for name in shards])}
                      if target.spec.token_logprobs else {})},
@@ -357,6 +418,15 @@ def run(cfg: DictConfig) -> dict | None:
     set_threads(cfg.runtime.threads)
     workers = init_workers(cfg.runtime.device)
     require_shared_output_dir(cfg, workers)
+    out_dir = Path(cfg.output.dir)
+    # Before anything else touches output.dir: another live job on it is refused here, in one line.
+    with hold_job_lease(out_dir, stage="generate", is_main=workers.is_main, broadcast=workers.broadcast,
+                        stale_s=cfg.output.lease_stale_s) as lease:
+        return generate_into(cfg, out_dir, workers, lease)
+
+
+def generate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease) -> dict | None:
+    """The job once its main process holds the lease on `out_dir` (`lease.check()` before each commit)."""
     device = workers.device
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     chat = ChatTemplateTokenizer(tokenizer, max_length=cfg.data.max_length, train_turns=cfg.data.train_turns,
@@ -364,7 +434,6 @@ def run(cfg: DictConfig) -> dict | None:
                                  chat_template_kwargs=to_container(cfg.data)["chat_template_kwargs"])
     target = load_capture(cfg, tokenizer, device)
     identity = dataset_identity(cfg, config_hash(target.capture.model), chat_template_sha256(tokenizer))
-    out_dir = Path(cfg.output.dir)
     done = claim_for_job(cfg, out_dir, identity, workers)
 
     source = capped_source(cfg.data.path, cfg.data.max_rows)
@@ -376,7 +445,7 @@ def run(cfg: DictConfig) -> dict | None:
         with closing(units), BackgroundWriter(out_dir, target.spec, depth=cfg.pipeline.write_queue,
                                               on_batch=lambda tokens: monitor.add(tokens=tokens),
                                               on_commit=lambda rows: monitor.add(rows=rows)) as writer:
-            capture_units(cfg, units, target, writer, monitor, device)
+            capture_units(cfg, units, target, writer, monitor, device, lease)
         job, seconds = monitor.finish()
     except BaseException as error:
         monitor.fail()
@@ -388,6 +457,7 @@ def run(cfg: DictConfig) -> dict | None:
     if not workers.is_main:
         return None
 
+    lease.check()
     manifest = build_manifest(cfg, out_dir, target, tokenizer, identity)
     manifest["last_run"] = {"computed_tokens": job.tokens, "seconds": seconds,
                             "tokens_per_second": job.tokens / max(seconds, 1e-9), "device": str(device),

@@ -7,11 +7,11 @@ the same fingerprint resumes; a different fingerprint is an error unless `output
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
 from specgen.errors import SpecgenError
+from specgen.store.commit import write_json_atomic
 
 RUN_FILE = "run.json"
 
@@ -39,9 +39,7 @@ def claim_output_dir(out_dir: Path, identity: dict, *, overwrite: bool) -> bool:
             raise SpecgenError(f"output.dir={out_dir} has shards but no {RUN_FILE}; pass output.overwrite=true to replace them")
         _clear(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_file.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"fingerprint": digest, "identity": identity}, indent=2, default=str))
-    os.replace(tmp, run_file)
+    write_json_atomic(run_file, {"fingerprint": digest, "identity": identity})
     return False
 
 

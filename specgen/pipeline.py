@@ -153,8 +153,9 @@ class BackgroundWriter:
     def write(self, rows: list[dict], ready: "torch.cuda.Event | None") -> None:
         self._send(("write", rows, ready))
 
-    def commit(self, stats: dict, rejected: list[dict], source_rows: int) -> None:
-        self._send(("commit", stats, rejected, source_rows))
+    def commit(self, stats: dict, rejected: list[dict], source_rows: int, extra: dict | None = None) -> None:
+        """Commit the unit's shard; `extra` adds entries to its sidecar."""
+        self._send(("commit", stats, rejected, source_rows, extra))
 
     def _send(self, item) -> None:
         if not _put(self._queue, item, lambda: self._stopped.is_set() or self._error is not None):
@@ -184,8 +185,8 @@ class BackgroundWriter:
                         shard.write(rows)
                         self._on_batch(sum(len(row["input_ids"]) for row in rows))
                     else:
-                        stats, rejected, source_rows = args
-                        shard.commit(stats, rejected)
+                        stats, rejected, source_rows, extra = args
+                        shard.commit(stats, rejected, **({"extra": extra} if extra else {}))
                         open_shard.close()
                         self._on_commit(source_rows)
             except BaseException as error:

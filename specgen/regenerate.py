@@ -33,6 +33,8 @@ from specgen.progress import Progress, format_table
 from specgen.regen.engine import Generator, Sampling
 from specgen.regen.parts import finished_parts, part_name, read_sidecar, remove_partial, write_part
 from specgen.regen.turns import COUNTS, ConversationRegenerator, TurnPolicy
+from specgen.store.commit import HASH_ALGORITHM, write_text_atomic
+from specgen.store.lease import hold_job_lease
 from specgen.store.manifest import REJECTED, write_manifest
 
 log = logging.getLogger("specgen.regenerate")
@@ -137,13 +139,13 @@ def sum_stats(sidecars: list[dict]) -> dict:
 def finish(cfg: DictConfig, out_dir: Path, units: list[int], model, identity: dict) -> dict:
     """Main process: gather every part's sidecar into rejected.jsonl and the manifest (written last)."""
     sidecars = [read_sidecar(out_dir, unit) for unit in units]
-    rejected = out_dir / REJECTED
-    tmp = rejected.with_name(rejected.name + ".tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for sidecar in sidecars for row in sidecar["rejected"]))
-    tmp.replace(rejected)
+    write_text_atomic(out_dir / REJECTED,
+                      "".join(json.dumps(row) + "\n" for sidecar in sidecars for row in sidecar["rejected"]))
     manifest = {
         "format": FORMAT, "format_version": 1,
         "parts": [part_name(unit) for unit in units],
+        "checksums": {part_name(unit): sidecar.get("checksum", {}).get(HASH_ALGORITHM)
+                      for unit, sidecar in zip(units, sidecars)},
         "model": {"path": identity["model.path"], "config_hash": identity["model.config_hash"],
                   "architecture": type(model).__name__, "dtype": str(model.dtype).removeprefix("torch.")},
         "tokenizer": {"path": identity["tokenizer.path"], "chat_template_sha256": identity["chat_template_sha256"]},
@@ -193,6 +195,16 @@ def run(cfg: DictConfig) -> dict | None:
     source = capped_source(cfg.data.path, cfg.data.max_rows)
     records, total = source.records, source.expected_rows
     workers = init_workers(cfg.runtime.device)
+    out_dir = Path(cfg.output.dir)
+    # Before anything else touches output.dir: another live job on it is refused here, in one line.
+    with hold_job_lease(out_dir, stage="regenerate", is_main=workers.is_main, broadcast=workers.broadcast,
+                        stale_s=cfg.output.lease_stale_s) as lease:
+        return regenerate_into(cfg, out_dir, workers, lease, records, total)
+
+
+def regenerate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease, records,
+                    total: int | None) -> dict | None:
+    """The job once its main process holds the lease on `out_dir` (`lease.check()` before each commit)."""
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     model = load_target(cfg.model.path, dtype=cfg.model.dtype, device=str(workers.device),
                         attn_implementation=cfg.model.attn_implementation)
@@ -200,7 +212,6 @@ def run(cfg: DictConfig) -> dict | None:
     identity = dataset_identity(cfg, config_hash(model), chat_template_sha256(tokenizer),
                                 generation_settings(cfg, regenerator))
 
-    out_dir = Path(cfg.output.dir)
     if workers.is_main:
         if claim_output_dir(out_dir, identity, overwrite=cfg.output.overwrite):
             log.info("resuming in %s", out_dir)
@@ -220,6 +231,7 @@ def run(cfg: DictConfig) -> dict | None:
             continue
         torch.manual_seed(unit_seed(cfg.regenerate.seed, unit))
         result = regenerator.regenerate(unit_records, on_batch=lambda tokens: progress.update(0, tokens))
+        lease.check()
         write_part(out_dir, unit, result.rows,
                    {"stats": result.stats, "rejected": [rejection.to_json() for rejection in result.rejections]})
         progress.update(len(unit_records), 0)
@@ -230,6 +242,7 @@ def run(cfg: DictConfig) -> dict | None:
         return None
 
     wait_for_parts(out_dir, units)
+    lease.check()
     manifest = finish(cfg, out_dir, units, model, identity)
     print_summary(manifest, out_dir, new_tokens, rows, seconds, source.describe(manifest["stats"]["source_rows"]))
     return manifest

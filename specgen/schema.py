@@ -65,6 +65,7 @@ KEYS: dict[str, Key] = {
     "capture.prefix_reuse": _k("bool"),
     "capture.prefix_min_tokens": _k("int", min=POSITIVE),
     "capture.prefix_cache_tokens": _k("int", min=0),
+    "capture.count_target_tokens": _k("bool"),
     # filter: drop samples by per-sample statistics
     "filter.min_mean_logprob": _k("float", null=True),
     "filter.max_mean_logprob": _k("float", null=True),
@@ -72,6 +73,7 @@ KEYS: dict[str, Key] = {
     "output.dir": _k("str"),
     "output.shard_size": _k("int", min=POSITIVE),
     "output.overwrite": _k("bool"),
+    "output.lease_stale_s": _k("float", min=1),
     "output.codec": _k("str", null=True, choices=("fp8",)),
     "output.store_prefix_once": _k("bool"),
     # runtime / pipeline / engine: how the work runs
@@ -92,6 +94,7 @@ KEYS: dict[str, Key] = {
     "draft.path": _k("str", null=True),
     "draft.init": _k("str", null=True),
     "draft.vocab_size": _k("int", min=POSITIVE),
+    "draft.vocab_source": _k("str", choices=("data", "target")),
     "draft.overrides": _k("dict"),
     "train.max_steps": _k("int", null=True, min=POSITIVE),
     "train.epochs": _k("int", min=POSITIVE),

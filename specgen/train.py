@@ -44,6 +44,7 @@ from specgen.draft.target_head import TargetHead, load_target_weights
 from specgen.draft.trainer import METRICS, DraftTrainer, LoopSettings, TrainerState, cosine_schedule
 from specgen.draft.ttt import TTTObjective
 from specgen.draft.vocab import (
+    TARGET_TOKEN_COUNTS,
     TOKEN_COUNTS,
     VocabMapping,
     build_vocab_mapping,
@@ -54,6 +55,7 @@ from specgen.draft.vocab import (
 from specgen.errors import SpecgenError
 from specgen.progress import format_table
 from specgen.runtime import load_tokenizer, resolve_device, set_threads
+from specgen.store.lease import hold_job_lease
 from specgen.store.reader import open_shards
 
 log = logging.getLogger("specgen.train")
@@ -75,6 +77,7 @@ class TrainingData:
     lm_head: torch.Tensor  # the target's LM head weight
     target_config: transformers.PretrainedConfig
     description: str
+    target_top_counts: dict[int, int] | None = None  # the target's top token at trainable positions (generate)
 
 
 MODES = ("offline", "online")
@@ -86,8 +89,30 @@ def run(cfg: DictConfig) -> dict:
                            "(model.path + data.path)")
     set_threads(cfg.runtime.threads)
     accelerator = _accelerator(cfg)
-    device, is_main = accelerator.device, accelerator.is_main_process
+    is_main = accelerator.is_main_process
     out_dir = Path(cfg.output.dir)
+    # Before anything else touches output.dir: another live job on it is refused here, in one line.
+    with hold_job_lease(out_dir, stage="train", is_main=is_main, broadcast=_broadcaster(accelerator),
+                        stale_s=cfg.output.lease_stale_s) as lease:
+        return train_into(cfg, accelerator, out_dir, lease)
+
+
+def _broadcaster(accelerator):
+    """The main process's value on every process (a barrier too)."""
+
+    def broadcast(value):
+        if accelerator.num_processes == 1:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value], from_process=0)[0]
+
+    return broadcast
+
+
+def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
+    """The training job once its main process holds the lease on `out_dir` (checked before each save)."""
+    device, is_main = accelerator.device, accelerator.is_main_process
     resume = bool(cfg.train.resume)
     if is_main:
         _claim_output_dir(out_dir, resume=resume, overwrite=cfg.output.overwrite)
@@ -120,6 +145,7 @@ def run(cfg: DictConfig) -> dict:
             "data": data.description, "ttt_length": cfg.train.ttt_length, "specgen_config": to_container(cfg)}
 
     def save(state: TrainerState) -> None:
+        lease.check()
         save_draft(draft, out_dir, {**info, "step": state.step, "epoch": state.epoch})
 
     if cfg.train.tensorboard:
@@ -129,7 +155,8 @@ def run(cfg: DictConfig) -> dict:
         settings=LoopSettings(total_steps=total_steps, grad_accum=cfg.train.grad_accum,
                               ttt_decay=cfg.train.ttt_decay, log_every=cfg.train.log_every,
                               save_every=cfg.train.save_every, autocast_dtype=_autocast_dtype(cfg, device)),
-        log_tracker=accelerator.log if cfg.train.tensorboard else None, progress=cfg.runtime.progress)
+        log_tracker=accelerator.log if cfg.train.tensorboard else None, progress=cfg.runtime.progress,
+        vocab_source="checkpoint" if resume or cfg.draft.init else cfg.draft.vocab_source)
     if resume:
         trainer.resume()
         weights_step = specgen_info(read_draft_config(out_dir)).get("step")
@@ -141,7 +168,8 @@ def run(cfg: DictConfig) -> dict:
     metrics = trainer.fit()
     accelerator.end_training()
     if is_main:
-        _print_summary(out_dir, data, draft, trainer.state, metrics, time.perf_counter() - start)
+        _print_summary(out_dir, data, draft, trainer.state, metrics, time.perf_counter() - start,
+                       "checkpoint" if resume or cfg.draft.init else cfg.draft.vocab_source)
     return metrics
 
 
@@ -200,6 +228,8 @@ def offline_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> Trai
         raise SpecgenError(f"the shards hold hidden states of size {manifest['hidden_size']} but the target at "
                            f"{target_path} has hidden_size {text.hidden_size}: point model.path at the shards' target")
     counts_path = Path(cfg.data.shards) / TOKEN_COUNTS
+    top_path = Path(cfg.data.shards) / TARGET_TOKEN_COUNTS
+    top_counts = read_token_counts(top_path)[0] if top_path.exists() else None
     if counts_path.exists():
         counts, _ = read_token_counts(counts_path)
     else:
@@ -209,7 +239,8 @@ def offline_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> Trai
     return TrainingData(source=source, target_path=str(target_path), target_config_hash=recorded_hash,
                         aux_layers=list(manifest["capture"]["aux_layers"]), token_counts=counts,
                         embedding=weights.embedding, lm_head=weights.lm_head, target_config=weights.config,
-                        description=f"shards {Path(cfg.data.shards).resolve()} ({len(dataset)} samples)")
+                        description=f"shards {Path(cfg.data.shards).resolve()} ({len(dataset)} samples)",
+                        target_top_counts=top_counts)
 
 
 def online_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> TrainingData:
@@ -250,7 +281,9 @@ def build_draft(cfg: DictConfig, data: TrainingData, resume_from: Path | None) -
                                f"{data.aux_layers}; regenerate the data with capture.aux_layers={recorded}")
         return draft
     vocab_size = data.target_config.get_text_config().vocab_size
-    mapping = build_vocab_mapping(data.token_counts, vocab_size, cfg.draft.vocab_size)
+    mapping = build_vocab_mapping(vocab_counts(cfg, data), vocab_size, cfg.draft.vocab_size,
+                                  counted={"target": "the target's top tokens at trainable positions"}.get(
+                                      cfg.draft.vocab_source, "the trained tokens"))
     config = draft_config(data.target_config, aux_layers=data.aux_layers,
                           draft_vocab_size=mapping.draft_vocab_size, overrides=to_container(cfg.draft.overrides))
     config.dtype = str(data.lm_head.dtype).removeprefix("torch.")  # what a serving engine should load it as
@@ -259,6 +292,33 @@ def build_draft(cfg: DictConfig, data: TrainingData, resume_from: Path | None) -
     draft.t2d.copy_(mapping.t2d)
     set_embedding(draft, data.embedding)
     return draft
+
+
+def vocab_counts(cfg: DictConfig, data: TrainingData) -> dict[int, int]:
+    """The token counts the draft vocabulary is chosen from (draft.vocab_source)."""
+    source = cfg.draft.vocab_source
+    if source == "data":
+        return data.token_counts
+    if source != "target":
+        raise SpecgenError(f"draft.vocab_source={source!r} is unknown; use data (the data's trained tokens) or "
+                           "target (the target's top tokens at trainable positions, counted by specgen.generate)")
+    if data.target_top_counts is None:
+        raise SpecgenError(f"draft.vocab_source=target needs {TARGET_TOKEN_COUNTS} beside the shards, which "
+                           "specgen.generate writes (capture.count_target_tokens=true) in offline mode; generate the "
+                           "shards again with this version, or use draft.vocab_source=data")
+    return data.target_top_counts
+
+
+def vocab_coverage(draft: Eagle3Draft, data: TrainingData) -> str:
+    """How much of the data's trained tokens and of the target's top tokens the draft vocabulary covers."""
+    in_vocab = set(_mapping_of(draft).draft_to_target.tolist())
+    parts = []
+    for name, counts in (("of the trained tokens", data.token_counts),
+                         ("of the target's top tokens at trainable positions", data.target_top_counts)):
+        if counts:
+            share = sum(n for token, n in counts.items() if token in in_vocab) / max(1, sum(counts.values()))
+            parts.append(f"{100 * share:.1f}% {name}")
+    return "covers " + ", ".join(parts) if parts else "coverage unknown"
 
 
 def _mapping_of(draft: Eagle3Draft) -> VocabMapping:
@@ -288,7 +348,7 @@ def _autocast_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype | None
 
 
 def _print_summary(out_dir: Path, data: TrainingData, draft: Eagle3Draft, state: TrainerState, metrics: dict,
-                   seconds: float) -> None:
+                   seconds: float, vocab_source: str = "data") -> None:
     accuracies = " ".join(f"{metrics[k]:.2f}" for k in sorted((k for k in metrics if k.startswith("acc_")),
                                                               key=lambda k: int(k.split("_")[1])))
     print(format_table([
@@ -296,9 +356,12 @@ def _print_summary(out_dir: Path, data: TrainingData, draft: Eagle3Draft, state:
         ("data", data.description),
         ("draft", f"{sum(p.numel() for p in draft.trainable_parameters()) / 1e6:.2f}M trainable parameters, "
                   f"vocabulary {draft.config.draft_vocab_size} of {draft.config.vocab_size}"),
+        ("vocabulary", f"from {vocab_source}: {vocab_coverage(draft, data)}"),
         ("steps", f"{state.step} ({state.tokens_seen:,} tokens, {seconds:.1f}s in this run)"),
         ("last loss", f"{metrics.get('loss', float('nan')):.4f}"),
         ("accuracy per TTT step", accuracies or "n/a"),
+        ("scored positions", f"{100 * metrics.get('scored', 0):.1f}% of the trainable positions (last logging "
+                             "window; the rest have the target's top token outside the draft vocabulary)"),
         ("throughput", f"{metrics.get('tokens_per_s', 0):,.0f} tokens/s (last logging window)"),
         ("metrics", str(out_dir / METRICS)),
     ]))

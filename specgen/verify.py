@@ -1,6 +1,7 @@
 """`python -m specgen.verify data.shards=DIR`: audit a finished dataset.
 
-Structural checks read every row (cheap: memory-mapped); the reference check re-runs a few random samples through
+Checksums come first: every shard's bytes against the sha256 its commit recorded (sidecar and manifest), which
+catches any flipped bit and names every damaged shard. Structural checks read every row (cheap: memory-mapped); the reference check re-runs a few random samples through
 the plain Hugging Face forward (`output_hidden_states=True`) of the recorded target and reports the relative error
 of every captured tensor. Any failure is listed and the exit status is non-zero.
 """
@@ -18,8 +19,8 @@ from specgen.config import stage_main
 from specgen.errors import SpecgenError
 from specgen.runtime import resolve_device, set_threads
 from specgen.progress import format_table
-from specgen.store.manifest import read_manifest
-from specgen.store.reader import open_shards
+from specgen.store.manifest import read_manifest, shard_checksums
+from specgen.store.reader import open_shards, shard_checksum_problems
 
 log = logging.getLogger("specgen.verify")
 
@@ -106,17 +107,42 @@ def check_against_reference(dataset, manifest: dict, cfg: DictConfig) -> tuple[l
     return problems, rows
 
 
+def check_checksums(out_dir: Path, manifest: dict) -> tuple[list[str], str]:
+    """Every shard's bytes against the checksum its commit recorded in the manifest and in its sidecar."""
+    shards = [out_dir / name for name in manifest.get("shards", [])]
+    recorded = manifest.get("checksums") or {}
+    if not recorded:
+        return [], "not recorded (dataset made before checksums)"
+    problems = shard_checksum_problems(shards, manifest)
+    for name, checksum in shard_checksums(out_dir).items():
+        if name in recorded and checksum is not None and checksum != recorded[name]:
+            problems.append(f"{name}: its sidecar and the manifest record different checksums")
+    damaged = {problem.split(":")[0] for problem in problems}
+    return problems, f"{len(shards) - len(damaged)} of {len(shards)} shards intact"
+
+
 def run(cfg: DictConfig) -> None:
     set_threads(cfg.runtime.threads)
     out_dir = Path(cfg.data.shards)
     manifest = read_manifest(out_dir)
-    dataset = open_shards(out_dir)
-    problems, totals = check_structure(dataset, manifest)
-    rows = [("dataset", str(out_dir)), ("samples", f"{totals['samples']:,}"), ("tokens", f"{totals['tokens']:,}")]
+    problems, checksum_row = check_checksums(out_dir, manifest)  # fast, and names every damaged shard
+    rows = [("dataset", str(out_dir)), ("checksums", checksum_row)]
+    try:
+        dataset = open_shards(out_dir)
+    except SpecgenError as error:
+        _report(rows, [*problems, str(error)])
+    structure_problems, totals = check_structure(dataset, manifest)
+    problems += structure_problems
+    rows += [("samples", f"{totals['samples']:,}"), ("tokens", f"{totals['tokens']:,}")]
     if cfg.verify.samples > 0 and len(dataset):
         reference_problems, reference_rows = check_against_reference(dataset, manifest, cfg)
         problems += reference_problems
         rows += reference_rows
+    _report(rows, problems)
+
+
+def _report(rows: list[tuple[str, str]], problems: list[str]) -> None:
+    """Print the table; list the problems and exit non-zero when there are any."""
     print(format_table(rows))
     if problems:
         print(f"FAILED: {len(problems)} problem(s)", file=sys.stderr)

@@ -32,7 +32,7 @@ def test_clips_to_the_tokens_seen_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="specgen.draft"):
         mapping = build_vocab_mapping({5: 1, 2: 3, 8: 0}, target_vocab_size=10, draft_vocab_size=32000)
     assert mapping.draft_to_target.tolist() == [2, 5]
-    assert "only 2 distinct tokens" in caplog.text
+    assert "hold only 2 distinct tokens" in caplog.text
 
 
 def test_rejects_counts_from_another_tokenizer():

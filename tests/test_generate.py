@@ -72,6 +72,16 @@ def test_default_layers_and_manifest(small_target, tmp_path):
     assert stats["bytes_on_disk"] <= 1.05 * payload
     counts = json.loads((tmp_path / "out" / "token_counts.json").read_text())
     assert sum(counts["counts"].values()) == stats["trainable_tokens"]
+    from transformers import AutoModelForCausalLM
+
+    head = AutoModelForCausalLM.from_pretrained(small_target).lm_head
+    want: dict[str, int] = {}
+    for row in rows:  # the target's top token at each trainable position t (loss_mask[t + 1] == 1)
+        positions = row["loss_mask"][1:].nonzero().flatten()
+        for token in head(row["last_hidden_state"][positions]).argmax(-1).tolist():
+            want[str(token)] = want.get(str(token), 0) + 1
+    top = json.loads((tmp_path / "out" / "target_token_counts.json").read_text())
+    assert top == {"vocab_size": 2048, "counts": dict(sorted(want.items(), key=lambda kv: int(kv[0])))}
 
 
 def test_resume_after_kill_gives_the_uninterrupted_dataset(small_target, tmp_path):
@@ -88,6 +98,7 @@ def test_resume_after_kill_gives_the_uninterrupted_dataset(small_target, tmp_pat
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (interrupted / "manifest.json").exists()
+    assert (interrupted / ".specgen-lease.json").exists()  # the killed job's lease: taken over at once below
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
     got, want = load_rows(interrupted), load_rows(reference)
     assert [r["sample_id"] for r in got] == [r["sample_id"] for r in want]
@@ -95,6 +106,68 @@ def test_resume_after_kill_gives_the_uninterrupted_dataset(small_target, tmp_pat
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
         torch.testing.assert_close(a["aux_hidden_states"], b["aux_hidden_states"])
         torch.testing.assert_close(a["last_hidden_state"], b["last_hidden_state"])
+
+
+def assert_same_rows(got_dir: Path, want_dir: Path) -> None:
+    got, want = load_rows(got_dir), load_rows(want_dir)
+    assert [r["sample_id"] for r in got] == [r["sample_id"] for r in want]
+    for a, b in zip(got, want):
+        for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"):
+            assert torch.equal(a[name], b[name]), name
+
+
+def test_a_second_job_on_a_live_directory_is_refused_and_the_first_is_unharmed(small_target, tmp_path):
+    reference = tmp_path / "reference"
+    generate(small_target, reference, "capture.batch_tokens=256")  # the same batches: bit-identical rows
+    busy = tmp_path / "busy"
+    cmd = [sys.executable, "-m", "specgen.generate", f"model.path={small_target}", f"output.dir={busy}",
+           "runtime.progress=false", "data.max_rows=24", "output.shard_size=8", "capture.batch_tokens=256"]
+    first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (busy / ".specgen-lease.json").exists() and time.time() < deadline:
+        time.sleep(0.02)
+    first.send_signal(signal.SIGSTOP)  # the first job is alive but paused: the second must not touch its files
+    try:
+        for extra in ([], ["output.overwrite=true"]):
+            second = subprocess.run([*cmd, *extra], cwd=REPO, capture_output=True, text=True)
+            assert second.returncode == 2
+            lines = second.stderr.strip().splitlines()
+            assert len(lines) == 1 and "is in use by generate" in lines[0] and f"pid {first.pid}" in lines[0]
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert first.wait(timeout=300) == 0, first.stderr.read()
+    assert_same_rows(busy, reference)
+    assert not (busy / ".specgen-lease.json").exists()
+
+
+def test_a_full_disk_mid_shard_is_one_line_and_a_rerun_resumes(small_target, tmp_path):
+    """A file-size limit (ulimit -f: EFBIG, what a full disk gives as ENOSPC) lets shard 0 commit, then stops shard 1
+    mid-write; nothing half-written is left looking finished, and a re-run without the limit completes the data."""
+    import resource
+
+    args = ["runtime.progress=false", "data.max_rows=24", "output.shard_size=8", "capture.batch_tokens=256"]
+    reference = tmp_path / "reference"
+    generate(small_target, reference, "capture.batch_tokens=256")
+    sizes = [(reference / f"shard-0000{i}.arrow").stat().st_size for i in range(3)]
+    assert sizes[1] > sizes[0]
+    limit = sizes[0] + 1024  # shard 0 (and every small file) fits; shard 1 cannot
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    full = tmp_path / "full"
+    cmd = [sys.executable, "-m", "specgen.generate", f"model.path={small_target}", f"output.dir={full}", *args]
+    failed = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, preexec_fn=limited)
+    assert failed.returncode == 2
+    lines = failed.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: out of disk space in {full}: the file being written needs at least ")
+    needed = int(lines[0].split("needs at least ")[1].split(" ")[0].replace(",", ""))
+    assert needed > limit  # the bytes shard 1 needs so far, more than the limit allowed
+    assert sorted(p.name for p in full.glob("shard-*")) == ["shard-00000.arrow", "shard-00000.json"]
+    assert not list(full.glob("*.tmp")) and not (full / "manifest.json").exists()
+
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)  # space freed: resumes
+    assert_same_rows(full, reference)
 
 
 def test_bad_rows_are_reported_and_good_rows_kept(small_target, tmp_path):
@@ -191,6 +264,32 @@ def test_verify_passes_and_catches_a_wrong_model(small_target, tmp_path):
     assert bad.returncode == 1 and "differs from the HF forward" in bad.stderr
 
 
+def flip_low_bit(path: Path) -> None:
+    """Flip bit 0 of a 4-byte-aligned byte in the middle of the file: the lowest mantissa bit of a stored float."""
+    data = bytearray(path.read_bytes())
+    data[(len(data) // 2) & ~3] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_low_order_bit_fails_verify_naming_the_shard(small_target, tmp_path):
+    out = tmp_path / "out"
+    manifest = generate(small_target, out)
+    assert set(manifest["checksums"]) == set(manifest["shards"]) and all(manifest["checksums"].values())
+    open_shards(out, verify=True)
+    flip_low_bit(out / "shard-00000.arrow")
+    flip_low_bit(out / "shard-00002.arrow")
+    assert len(open_shards(out)) == manifest["stats"]["samples"]  # the damage is invisible to a plain read
+    with pytest.raises(SpecgenError, match="shard-00000.arrow.*shard-00002.arrow"):
+        open_shards(out, verify=True)
+    bad = subprocess.run([sys.executable, "-m", "specgen.verify", f"output.dir={out}", "verify.samples=0"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert bad.returncode == 1
+    problems = [line for line in bad.stderr.splitlines() if line.startswith("  - ")]
+    assert len(problems) == 2  # the checksums alone: every structural check still passes
+    assert "shard-00000.arrow: checksum mismatch" in problems[0] and "shard-00002.arrow" in problems[1]
+    assert "1 of 3 shards intact" in bad.stdout
+
+
 def test_prefix_reuse_store_once_and_fp8_outputs_equal_the_plain_run(small_target, tmp_path):
     """The features compose: reuse + store-once + fp8 + log-probs give the rows the plain flat run gives."""
     system = "You are a careful assistant. " * 12  # a long shared system prompt: one prefix for every row
@@ -211,3 +310,5 @@ def test_prefix_reuse_store_once_and_fp8_outputs_equal_the_plain_run(small_targe
         assert torch.equal(row["input_ids"], want["input_ids"])
         for name in ("aux_hidden_states", "last_hidden_state", "token_logprobs"):
             torch.testing.assert_close(row[name].float(), want[name].float(), rtol=2e-2, atol=2e-2, equal_nan=True)
+    top = {name: json.loads((tmp_path / name / "target_token_counts.json").read_text()) for name in ("plain", "reused")}
+    assert top["plain"] == top["reused"]  # the target's top tokens, counted on either path

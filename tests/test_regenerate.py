@@ -338,6 +338,22 @@ def test_two_processes_equal_one(chat_model, tmp_path):
     assert (tmp_path / "double" / "rejected.jsonl").read_text() == (tmp_path / "single" / "rejected.jsonl").read_text()
 
 
+def test_damaged_parts_are_named_when_read(greedy_run, tmp_path):
+    import shutil
+
+    from specgen.data.sources import iter_records
+
+    _, out_dir, manifest = greedy_run
+    assert set(manifest["checksums"]) == set(manifest["parts"]) and all(manifest["checksums"].values())
+    copy = shutil.copytree(out_dir, tmp_path / "copy")
+    part = copy / manifest["parts"][1]
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 1  # one bit of one character: still valid JSON lines, different text
+    part.write_bytes(bytes(data))
+    with pytest.raises(SpecgenError, match=f"{manifest['parts'][1]}: checksum mismatch"):
+        list(iter_records(copy))
+
+
 def test_output_feeds_generate(greedy_run, chat_model, tmp_path):
     from specgen import open_shards
     from specgen.generate import run as generate

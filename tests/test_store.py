@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from specgen.errors import SpecgenError
+from specgen.store.commit import content_hash
 from specgen.store import (ShardSpec, ShardWriter, finished_shards, merge_rejected, open_shards, read_manifest,
                            read_sidecar, remove_partial, shard_name, summarize_shards, write_manifest)
 
@@ -219,7 +220,10 @@ def test_shard_names_and_sidecars(tmp_path):
     spec = ShardSpec(hidden_size=4, num_aux=1, dtype="float16")
     write_shard(tmp_path, 123456, spec, make_rows(spec, [2]), stats={"samples": 1}, rejected=[{"id": "x"}])
     assert list(finished_shards(tmp_path)) == [123456]
-    assert read_sidecar(tmp_path, 123456) == {"stats": {"samples": 1}, "rejected": [{"id": "x"}]}
+    sidecar = read_sidecar(tmp_path, 123456)
+    assert {k: sidecar[k] for k in ("stats", "rejected")} == {"stats": {"samples": 1}, "rejected": [{"id": "x"}]}
+    shard = tmp_path / shard_name(123456)
+    assert sidecar["checksum"] == {"sha256": content_hash(shard), "bytes": shard.stat().st_size}
     with pytest.raises(SpecgenError, match="re-run"):
         read_sidecar(tmp_path, 0)
 
@@ -317,3 +321,18 @@ def test_dataset_pickles_and_feeds_spawned_dataloader_workers(tmp_path):
     loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="spawn")
     for item, row in zip(loader, rows, strict=True):
         assert_item_matches(item, row, spec)
+
+
+def test_open_with_verify_checks_the_sidecar_checksums_without_a_manifest(tmp_path):
+    spec = ShardSpec(hidden_size=8, num_aux=2, dtype="bfloat16")
+    write_shard(tmp_path, 0, spec, make_rows(spec, [5, 3]))
+    damaged = write_shard(tmp_path, 1, spec, make_rows(spec, [6, 4]))
+    assert len(open_shards(tmp_path, verify=True)) == 4
+    data = bytearray(damaged.read_bytes())
+    data[(len(data) // 2) & ~1] ^= 1  # the lowest bit of one bf16 value
+    damaged.write_bytes(bytes(data))
+    assert len(open_shards(tmp_path)) == 4  # unnoticed without verify
+    with pytest.raises(SpecgenError, match=r"damaged shards .*shard-00001.arrow: checksum mismatch"):
+        open_shards(tmp_path, verify=True)
+    with pytest.raises(SpecgenError, match="shard-00001.arrow: checksum mismatch"):
+        open_shards(damaged, verify=True)  # one shard file: its sidecar beside it

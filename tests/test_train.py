@@ -79,6 +79,13 @@ def test_offline_training_writes_a_servable_checkpoint(shards, target, tmp_path)
     draft = load_draft(ckpt, embedding=embedding.detach())
     assert all(torch.equal(draft.state_dict()[name], tensor) for name, tensor in weights.items())
 
+    assert set(config["specgen"]["checksums"]) == {"model.safetensors"}
+    data = bytearray((ckpt / "model.safetensors").read_bytes())
+    data[-5] ^= 1  # one bit in the stored tensors
+    (ckpt / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(SpecgenError, match="model.safetensors: checksum mismatch"):
+        load_draft(ckpt, embedding=embedding.detach())
+
 
 def test_training_lowers_the_loss(shards, tmp_path):
     ckpt = tmp_path / "ckpt"
@@ -121,7 +128,9 @@ def test_online_step_equals_offline_step(shards, target, tmp_path):
 
 def test_fine_tuning_reuses_the_checkpoint_vocabulary(shards, tmp_path):
     base = tmp_path / "base"
-    train([f"data.shards={shards}", f"output.dir={base}", "train.max_steps=1", "draft.vocab_size=100"])
+    # 20 of the random target's top tokens (100 of the data's most frequent tokens would score nothing)
+    train([f"data.shards={shards}", f"output.dir={base}", "train.max_steps=1", "draft.vocab_size=20",
+           "draft.vocab_source=target"])
     tuned = tmp_path / "tuned"
     train([f"data.shards={shards}", f"output.dir={tuned}", "train.max_steps=1", f"draft.init={base}",
            "draft.vocab_size=300"])
@@ -133,3 +142,33 @@ def test_user_errors_are_one_line_messages(tmp_path):
         train([f"output.dir={tmp_path / 'x'}"])
     with pytest.raises(SpecgenError, match="model.path is required"):  # data of one's own needs one's own target
         train(["mode=online", f"data.path={ASSETS_DIR / 'chat' / 'train.jsonl'}", f"output.dir={tmp_path / 'y'}"])
+
+
+def test_training_that_scores_nothing_stops_with_an_error_about_the_draft_vocabulary(shards, tmp_path):
+    """The random target's top tokens lie outside the data's 50 most frequent trained tokens: nothing is scored."""
+    top = json.loads((shards / "target_token_counts.json").read_text())
+    # one trainable position (t with loss_mask[t+1] = 1) per trained token
+    assert sum(top["counts"].values()) == json.loads((shards / "manifest.json").read_text())["stats"]["trainable_tokens"]
+    with pytest.raises(SpecgenError) as error:
+        train([f"data.shards={shards}", f"output.dir={tmp_path / 'data-vocab'}", "train.max_steps=4",
+               "draft.vocab_size=50", "train.log_every=2"])
+    message = str(error.value)
+    assert "\n" not in message and "no trainable position was scored in the first 2 steps" in message
+    assert "draft vocabulary" in message and "regenerate" in message and "draft.vocab_source=target" in message
+    assert not (tmp_path / "data-vocab" / "model.safetensors").exists()  # no checkpoint of nothing
+
+    ckpt = tmp_path / "target-vocab"
+    train([f"data.shards={shards}", f"output.dir={ckpt}", "train.max_steps=2", "draft.vocab_size=50",
+           "draft.vocab_source=target"])
+    lines = metrics(ckpt)
+    assert all(line["scored"] == 1.0 and line["trainable_positions"] > 0 and line["loss"] > 0 for line in lines)
+
+
+def test_a_second_job_on_a_checkpoint_directory_is_refused(shards, tmp_path):
+    from specgen.store.lease import LeaseHeld, hold_lease
+
+    ckpt = tmp_path / "ckpt"
+    with hold_lease(ckpt, stage="train"):
+        with pytest.raises(LeaseHeld, match=f"output.dir {ckpt} is in use by train"):
+            train([f"data.shards={shards}", f"output.dir={ckpt}", "train.max_steps=1", "output.overwrite=true"])
+    assert not (ckpt / "model.safetensors").exists()

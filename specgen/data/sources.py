@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specgen.errors import RowError, SpecgenError
+from specgen.store.commit import checksum_problems
 
 SUPPORTED = (".json (array or JSON lines), .jsonl, .parquet, a datasets save_to_disk folder, "
              "or a folder of such files")
@@ -59,14 +60,21 @@ def _folder_files(path: Path) -> list[Path]:
     """The data files of a folder source, in read order.
 
     A folder with a `manifest.json` listing `parts` (what `specgen.regenerate` writes) is read exactly as listed, so
-    its sidecars, manifest and rejected rows are not taken for data; otherwise every data file, in name order.
+    its sidecars, manifest and rejected rows are not taken for data, after checking the parts against the manifest's
+    checksums; otherwise every data file (hidden files aside), in name order.
     """
     manifest = path / "manifest.json"
     if manifest.exists():
-        parts = json.loads(manifest.read_text()).get("parts")
-        if parts is not None:
-            return [path / name for name in parts]
-    return sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower().lstrip(".") in FILE_KINDS)
+        recorded = json.loads(manifest.read_text())
+        if recorded.get("parts") is not None:
+            files = {name: path / name for name in recorded["parts"]}
+            damaged = checksum_problems(files, recorded.get("checksums") or {})
+            if damaged:
+                raise SpecgenError(f"{path} has damaged parts: {'; '.join(damaged)}; delete them and re-run "
+                                   "specgen.regenerate with the same output.dir to regenerate them")
+            return list(files.values())
+    return sorted(p for p in path.iterdir()
+                  if p.is_file() and not p.name.startswith(".") and p.suffix.lower().lstrip(".") in FILE_KINDS)
 
 
 def _folder_records(files: list[Path], chunk_size: int) -> Iterator[SourceRecord]:

@@ -3,7 +3,8 @@
     CKPT/config.json         LlamaConfig of the draft: architectures ["LlamaForCausalLMEagle3"], num_hidden_layers 1,
                              vocab_size (target), draft_vocab_size, target_hidden_size,
                              eagle_config.eagle_aux_hidden_state_layer_ids, plus a "specgen" section (target
-                             path and config hash, aux layer convention, training step) that loaders ignore
+                             path and config hash, aux layer convention, training step, the weights' sha256
+                             in `checksums`, checked by load_draft) that loaders ignore
     CKPT/model.safetensors   fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t (int64), t2d (bool)
     CKPT/training_state/     optimizer, scheduler and data position, to resume training exactly
 
@@ -13,7 +14,6 @@ weights) so resuming is exact; `config.json` names the target's dtype for servin
 """
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from specgen.draft.model import Eagle3Draft
 from specgen.errors import SpecgenError
+from specgen.store.commit import atomic_write, checksum_problems, content_hash
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -29,10 +30,7 @@ TRAINING_STATE = "training_state"
 _NOT_STORED = ("embed_tokens.weight",)
 
 
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+_write_atomic = atomic_write  # write(tmp) produces the file; fsync'd and renamed into place
 
 
 def serving_config(config: transformers.LlamaConfig, specgen_info: dict) -> dict:
@@ -54,7 +52,8 @@ def save_draft(draft: Eagle3Draft, out_dir: str | Path, specgen_info: dict) -> N
     tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in draft.state_dict().items()
                if name not in _NOT_STORED}
     _write_atomic(out_dir / WEIGHTS, lambda path: save_file(tensors, str(path), metadata={"format": "pt"}))
-    config = serving_config(draft.config, specgen_info)
+    checksums = {WEIGHTS: content_hash(out_dir / WEIGHTS)}  # checked by load_draft
+    config = serving_config(draft.config, {**specgen_info, "checksums": checksums})
     _write_atomic(out_dir / CONFIG, lambda path: path.write_text(json.dumps(config, indent=2)))
 
 
@@ -77,7 +76,11 @@ def _is_eagle3_config(config: transformers.PretrainedConfig) -> bool:
 def load_draft(path: str | Path, embedding: torch.Tensor | None = None) -> Eagle3Draft:
     """Load a draft checkpoint; `embedding` is the target's input embedding (not stored in the checkpoint)."""
     folder = Path(path)
-    draft = Eagle3Draft(read_draft_config(folder))
+    config = read_draft_config(folder)
+    damaged = checksum_problems({WEIGHTS: folder / WEIGHTS}, specgen_info(config).get("checksums") or {})
+    if damaged:
+        raise SpecgenError(f"{folder}: {damaged[0]}; restore the checkpoint from a copy or train it again")
+    draft = Eagle3Draft(config)
     state = load_file(str(folder / WEIGHTS))
     missing, unexpected = draft.load_state_dict(state, strict=False)
     missing = [name for name in missing if name not in _NOT_STORED]

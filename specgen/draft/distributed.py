@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from specgen.errors import SpecgenError
+from specgen.store.commit import atomic_write
 
 BACKENDS = ("ddp", "deepspeed")
 
@@ -101,9 +102,8 @@ class DDPBackend(Backend):
         if dist.is_initialized() and dist.get_rank() != 0:
             return
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / "optimizer.pt.tmp"
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}, tmp)
-        tmp.replace(folder / "optimizer.pt")
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        atomic_write(folder / "optimizer.pt", lambda tmp: torch.save(state, tmp))
 
     def load(self, folder: Path) -> None:
         path = folder / "optimizer.pt"

@@ -21,6 +21,8 @@ from tqdm.auto import tqdm
 from specgen.draft.distributed import Backend
 from specgen.draft.target_head import TargetHead
 from specgen.draft.ttt import DraftBatch, batch_target, step_metrics
+from specgen.errors import SpecgenError
+from specgen.store.commit import write_json_atomic, write_text_atomic
 
 log = logging.getLogger("specgen.train")
 
@@ -57,9 +59,7 @@ class TrainerState:
 
     def save(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / (STATE + ".tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        tmp.replace(folder / STATE)
+        write_json_atomic(folder / STATE, asdict(self), indent=None)
 
     @classmethod
     def load(cls, folder: Path) -> "TrainerState":
@@ -92,7 +92,8 @@ class DraftTrainer:
 
     def __init__(self, *, backend: Backend, head: TargetHead, source: BatchSource, settings: LoopSettings,
                  out_dir: Path, save_draft: Callable[[TrainerState], None], is_main: bool,
-                 log_tracker: Callable[[dict, int], None] | None = None, progress: bool = True):
+                 log_tracker: Callable[[dict, int], None] | None = None, progress: bool = True,
+                 vocab_source: str = "data"):
         self.backend = backend
         self.head = head
         self.source = source
@@ -102,7 +103,9 @@ class DraftTrainer:
         self.is_main = is_main
         self.log_tracker = log_tracker
         self.progress = progress
+        self.vocab_source = vocab_source  # where the draft vocabulary came from, for the nothing-scored error
         self.state = TrainerState()
+        self._first_window = True
 
     @property
     def state_dir(self) -> Path:
@@ -138,7 +141,8 @@ class DraftTrainer:
                 # A checkpoint always follows a log line, so the saved token count includes every trained batch.
                 if saving or state.step % settings.log_every == 0 or state.step == settings.total_steps:
                     last_metrics = self._log(window)
-                    bar.set_postfix_str(f"loss {last_metrics['loss']:.3f} acc_0 {last_metrics['acc_0']:.3f}")
+                    bar.set_postfix_str(f"loss {last_metrics['loss']:.3f} acc_0 {last_metrics['acc_0']:.3f} "
+                                        f"scored {last_metrics['scored']:.2f}")
                     window = _Window()
                 if saving:
                     self.checkpoint()
@@ -182,7 +186,28 @@ class DraftTrainer:
                 f.write(json.dumps(metrics) + "\n")
             if self.log_tracker is not None:
                 self.log_tracker({k: v for k, v in metrics.items() if k != "step"}, self.state.step)
+        if self._first_window:
+            self._first_window = False
+            self._require_scored(metrics)
         return metrics
+
+    def _require_scored(self, metrics: dict) -> None:
+        """Stop a run that scores no position in its first logging window: it would train nothing (loss 0)."""
+        if metrics["scored"] > 0 and metrics["trainable_positions"] > 0:
+            return
+        if metrics["trainable_positions"] == 0:
+            raise SpecgenError(f"no trainable position in the first {self.state.step} steps: the batches carry no "
+                               "loss-masked token; check the data's loss mask (data.train_turns)")
+        vocab, target_vocab = len(self.head.draft_to_target), self.head.weight.shape[0]
+        source = {"data": "the most frequent tokens of the data's responses",
+                  "target": "the target's most frequent top tokens"}.get(self.vocab_source, self.vocab_source)
+        raise SpecgenError(
+            f"no trainable position was scored in the first {self.state.step} steps: at all "
+            f"{metrics['trainable_positions']:,} of them the target's top token lies outside the draft vocabulary "
+            f"({vocab:,} of {target_vocab:,} tokens: {source}), so the loss is 0 and the draft learns nothing; the "
+            "responses were not written by this target: regenerate them with it (python -m specgen.regenerate, "
+            "then generate), or build the vocabulary from the target's predictions (draft.vocab_source=target) or "
+            "use a larger draft.vocab_size")
 
     def checkpoint(self) -> None:
         """Draft weights + config (main), optimizer/scheduler (all processes), then the loop state (main) last:
@@ -201,4 +226,4 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    write_text_atomic(path, "".join(line + "\n" for line in kept))

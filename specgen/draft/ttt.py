@@ -123,7 +123,8 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Te
 
 
 def step_metrics(stats: torch.Tensor, decay: float) -> dict[str, float]:
-    """loss, loss_j and acc_j from summed statistics (accuracy: draft argmax == target argmax)."""
+    """loss, loss_j, acc_j (draft argmax == target argmax), and `scored`: the share of step 0's trainable
+    positions whose target top token lies in the draft vocabulary (the others add nothing to the loss)."""
     stats = stats.double().cpu()
     metrics: dict[str, float] = {}
     losses = stats[:, STAT_LOSS_SUM] / stats[:, STAT_VALID].clamp(min=1)
@@ -131,6 +132,9 @@ def step_metrics(stats: torch.Tensor, decay: float) -> dict[str, float]:
     metrics["loss"] = float(sum(decay ** step * loss for step, loss in enumerate(losses)))
     metrics.update({f"loss_{step}": float(loss) for step, loss in enumerate(losses)})
     metrics.update({f"acc_{step}": float(acc) for step, acc in enumerate(accuracies)})
+    # Share of the trainable positions actually scored: the target's top token is inside the draft vocabulary.
+    metrics["trainable_positions"] = int(stats[0, STAT_PREDICTED])
+    metrics["scored"] = float(stats[0, STAT_VALID] / stats[0, STAT_PREDICTED].clamp(min=1))
     return metrics
 
 

@@ -21,10 +21,12 @@ from pathlib import Path
 import torch
 
 from specgen.errors import SpecgenError
+from specgen.store.commit import write_json_atomic
 
 log = logging.getLogger("specgen.draft")
 
 TOKEN_COUNTS = "token_counts.json"
+TARGET_TOKEN_COUNTS = "target_token_counts.json"  # the target's top token at trainable positions (generate)
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ class VocabMapping:
         return cls(draft_to_target, target_vocab_size)
 
 
-def build_vocab_mapping(counts: Mapping[int, int], target_vocab_size: int, draft_vocab_size: int) -> VocabMapping:
+def build_vocab_mapping(counts: Mapping[int, int], target_vocab_size: int, draft_vocab_size: int,
+                        counted: str = "the trained tokens") -> VocabMapping:
     """Keep the `draft_vocab_size` most frequent trained tokens (ties: lower id first).
 
     When fewer distinct tokens were seen, the draft vocabulary is clipped to those, with a warning: a draft id
@@ -75,14 +78,14 @@ def build_vocab_mapping(counts: Mapping[int, int], target_vocab_size: int, draft
         raise SpecgenError(f"token ids {sorted(out_of_range)[:5]} lie outside the target vocabulary of "
                            f"{target_vocab_size}: the token counts come from another tokenizer")
     if draft_vocab_size > len(seen):
-        log.warning("draft.vocab_size=%d but only %d distinct tokens carry loss in the data: using a draft "
-                    "vocabulary of %d", draft_vocab_size, len(seen), len(seen))
+        log.warning("draft.vocab_size=%d but %s hold only %d distinct tokens: using a draft vocabulary of %d",
+                    draft_vocab_size, counted, len(seen), len(seen))
         draft_vocab_size = len(seen)
     chosen = sorted(seen, key=lambda token: (-seen[token], token))[:draft_vocab_size]
     mapping = VocabMapping(torch.tensor(sorted(chosen), dtype=torch.long), target_vocab_size)
     coverage = sum(seen[token] for token in chosen) / sum(seen.values())
-    log.info("draft vocabulary: %d of %d target tokens, covering %.2f%% of the trained tokens",
-             draft_vocab_size, target_vocab_size, 100 * coverage)
+    log.info("draft vocabulary: %d of %d target tokens, covering %.2f%% of %s",
+             draft_vocab_size, target_vocab_size, 100 * coverage, counted)
     return mapping
 
 
@@ -97,7 +100,7 @@ def count_trained_tokens(samples: Iterable[tuple[Iterable[int], Iterable[int]]])
 def write_token_counts(path: str | Path, counts: Mapping[int, int], vocab_size: int) -> None:
     """The `token_counts.json` format `specgen.generate` writes: {"vocab_size": V, "counts": {"id": n}}."""
     payload = {"vocab_size": int(vocab_size), "counts": {str(k): int(v) for k, v in sorted(counts.items())}}
-    Path(path).write_text(json.dumps(payload))
+    write_json_atomic(path, payload, indent=None)
 
 
 def read_token_counts(path: str | Path) -> tuple[dict[int, int], int]:

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 from specgen.errors import SpecgenError
-from specgen.store.writer import finished_shards, read_sidecar, write_json_atomic
+from specgen.store.commit import HASH_ALGORITHM, write_json_atomic, write_text_atomic
+from specgen.store.writer import finished_shards, read_sidecar
 
 MANIFEST = "manifest.json"
 REJECTED = "rejected.jsonl"
@@ -54,12 +55,16 @@ def summarize_shards(out_dir: str | Path) -> dict:
             "bytes_on_disk": bytes_on_disk, "bytes_per_token": bytes_on_disk / tokens if tokens else None}
 
 
+def shard_checksums(out_dir: str | Path) -> dict[str, str | None]:
+    """Each finished shard's content hash, as its sidecar recorded it at commit (None for shards made before
+    checksums existed)."""
+    return {path.name: read_sidecar(out_dir, index).get("checksum", {}).get(HASH_ALGORITHM)
+            for index, path in finished_shards(out_dir).items()}
+
+
 def merge_rejected(out_dir: str | Path) -> int:
     """Write `rejected.jsonl` from all finished shards' sidecars in shard order; return the row count."""
     out_dir = Path(out_dir)
     rows = [row for index in finished_shards(out_dir) for row in read_sidecar(out_dir, index)["rejected"]]
-    path = out_dir / REJECTED
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    tmp.replace(path)
+    write_text_atomic(out_dir / REJECTED, "".join(json.dumps(row) + "\n" for row in rows))
     return len(rows)

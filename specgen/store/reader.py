@@ -5,7 +5,9 @@ opening terabytes of data costs page faults, not RAM. Clone a tensor before modi
 """
 
 import bisect
+import json
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -19,9 +21,11 @@ from specgen.store import fp8
 from specgen.store.manifest import MANIFEST, read_manifest
 from specgen.store.prefix_layout import reassemble_row
 from specgen.store.schema import Column, ShardSpec, arrow_schema, columns
-from specgen.store.writer import finished_shards
+from specgen.store.commit import HASH_ALGORITHM, checksum_problems
+from specgen.store.writer import finished_shards, sidecar_name
 
 HIDDEN_STATES = ("aux_hidden_states", "last_hidden_state")
+_SHARD_NUMBER = re.compile(r"shard-(\d{5,})\.arrow")
 
 
 def _zero_copy_numpy(array: pa.Array) -> np.ndarray:
@@ -203,7 +207,22 @@ class ShardDataset(Dataset):
         return self._batches[location]
 
 
-def open_shards(path: str | Path, dtype: torch.dtype | None = None) -> ShardDataset:
+def shard_checksum_problems(shard_paths: list[Path], manifest: dict | None) -> list[str]:
+    """One line per shard whose bytes differ from the checksum recorded at commit (the manifest's, else the
+    sidecar's); shards with no recorded checksum are not checked."""
+    if manifest is not None:
+        expected = manifest.get("checksums") or {}
+    else:
+        expected = {}
+        for path in shard_paths:
+            match = _SHARD_NUMBER.fullmatch(path.name)
+            sidecar = path.with_name(sidecar_name(int(match.group(1)))) if match else None
+            if sidecar is not None and sidecar.exists():
+                expected[path.name] = json.loads(sidecar.read_text()).get("checksum", {}).get(HASH_ALGORITHM)
+    return checksum_problems({path.name: path for path in shard_paths}, expected)
+
+
+def open_shards(path: str | Path, dtype: torch.dtype | None = None, verify: bool = False) -> ShardDataset:
     """Open an output directory (its manifest's shards, else its finished shards) or one shard file.
 
     Items: `sample_id` (str), `input_ids` and `loss_mask` (LongTensor [T]), `aux_hidden_states`
@@ -214,6 +233,13 @@ def open_shards(path: str | Path, dtype: torch.dtype | None = None) -> ShardData
 
     dtype: the dtype the hidden states come back in. None keeps the stored dtype zero-copy; fp8
     shards are always decoded (a copy), to bfloat16 unless `dtype` asks for another.
+    verify: first check every shard's bytes against the checksum recorded when it was committed (reads every
+    byte once) and raise naming each damaged shard.
     """
     shard_paths, manifest = _shard_paths(Path(path))
+    if verify:
+        damaged = shard_checksum_problems(shard_paths, manifest)
+        if damaged:
+            raise SpecgenError(f"damaged shards in {path}: {'; '.join(damaged)}; delete them and re-run the "
+                               "generate command with the same output.dir to regenerate them")
     return ShardDataset(shard_paths, manifest, dtype=dtype)

@@ -1,14 +1,13 @@
 """Write shards atomically: stream record batches to `<name>.tmp`, then rename on commit.
 
 A shard exists under its final name only when it is complete: `commit` closes the Arrow file,
-writes the sidecar `shard-NNNNN.json` (stats and rejected rows), fsyncs both, and renames the
-shard last. A run killed at any point leaves only `*.tmp` files and possibly an orphan sidecar,
+writes the sidecar `shard-NNNNN.json` (stats, rejected rows and the shard's checksum), fsyncs both,
+and renames the shard last (`specgen.store.commit.commit_unit`, the protocol regenerate's parts share). A run killed at any point leaves only `*.tmp` files and possibly an orphan sidecar,
 which `finished_shards` ignores and `remove_partial` deletes, so re-running the same command
 resumes from the shards that are finished.
 """
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import pyarrow as pa
 import torch
 
 from specgen.errors import SpecgenError
+from specgen.store.commit import commit_unit, disk_errors, numbered_files, tmp_path, write_json_atomic
 from specgen.store.schema import Column, ShardSpec, arrow_schema, columns
 
 _SHARD_PATTERN = re.compile(r"shard-(\d{5,})\.arrow")
@@ -29,27 +29,6 @@ def shard_name(index: int) -> str:
 
 def sidecar_name(index: int) -> str:
     return f"shard-{index:05d}.json"
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file (or directory entry table) to disk; a read-only descriptor suffices on POSIX."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON so that `path` holds either the old content or the complete new one."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync(path.parent)
 
 
 def _column_array(column: Column, values: list, sample_ids: list[str]) -> pa.Array:
@@ -109,12 +88,13 @@ class ShardWriter:
         self.index = shard_index
         self.spec = spec
         self.path = self.out_dir / shard_name(shard_index)
-        self.tmp_path = self.path.with_name(self.path.name + ".tmp")
+        self.tmp_path = tmp_path(self.path)
         self._schema = arrow_schema(spec)
         self._columns = columns(spec)
-        self._sink = pa.OSFile(str(self.tmp_path), "wb")
-        # No compression: shards are memory-mapped by the reader, which needs the raw bytes.
-        self._writer = pa.ipc.new_file(self._sink, self._schema)
+        with disk_errors(self.out_dir, 1 << 16):
+            self._sink = pa.OSFile(str(self.tmp_path), "wb")
+            # No compression: shards are memory-mapped by the reader, which needs the raw bytes.
+            self._writer = pa.ipc.new_file(self._sink, self._schema)
         self.committed = False
 
     def __enter__(self) -> "ShardWriter":
@@ -122,8 +102,12 @@ class ShardWriter:
 
     def __exit__(self, *exc_info) -> None:
         if not self.committed:
-            self._close()
-            self.tmp_path.unlink(missing_ok=True)
+            try:
+                self._close()
+            except OSError:  # closing writes the footer, which fails again on a full disk; the file goes anyway
+                pass
+            finally:
+                self.tmp_path.unlink(missing_ok=True)
 
     def write(self, rows: list[dict]) -> None:
         """Append `rows` as one record batch (each row: a dict with every column of the schema)."""
@@ -134,7 +118,10 @@ class ShardWriter:
             self._check_token_counts(row)
         arrays = [_column_array(column, [row[column.name] for row in rows], sample_ids)
                   for column in self._columns]
-        self._writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self._schema))
+        batch = pa.RecordBatch.from_arrays(arrays, schema=self._schema)
+        # A full disk: a one-line error naming the directory and what this shard needs (the tmp file is deleted).
+        with disk_errors(self.out_dir, lambda: self._sink.tell() + batch.nbytes):
+            self._writer.write_batch(batch)
 
     def _check_token_counts(self, row: dict) -> None:
         counts = {column.name: len(row[column.name]) + (int(row["prefix_len"]) if column.suffix_only else 0)
@@ -149,29 +136,22 @@ class ShardWriter:
                 raise ValueError(f"sample {row['sample_id']!r}: {column.name} has {len(row[column.name])} rows, "
                                  f"but loss_mask[1:] marks {trainable} trainable positions")
 
-    def commit(self, stats: dict, rejected: list[dict]) -> Path:
-        """Finish the shard: close it, write its sidecar, then rename it into place (the commit point)."""
-        self._close()
-        _fsync(self.tmp_path)
-        write_json_atomic(self.out_dir / sidecar_name(self.index), {"stats": stats, "rejected": rejected})
-        os.replace(self.tmp_path, self.path)
-        _fsync(self.out_dir)
+    def commit(self, stats: dict, rejected: list[dict], extra: dict | None = None) -> Path:
+        """Finish the shard: close it, write its sidecar (with the shard's checksum and `extra`), then rename it
+        into place (the commit point)."""
+        with disk_errors(self.out_dir, 1 << 16):
+            self._close()
+            commit_unit(self.tmp_path, self.path, self.out_dir / sidecar_name(self.index),
+                        {"stats": stats, "rejected": rejected, **(extra or {})})
         self.committed = True
         return self.path
 
     def _close(self) -> None:
         if not self._sink.closed:
-            self._writer.close()
-            self._sink.close()
-
-
-def _indexed_files(out_dir: Path, pattern: re.Pattern) -> dict[int, Path]:
-    found = {}
-    for path in out_dir.iterdir():
-        match = pattern.fullmatch(path.name)
-        if match:
-            found[int(match.group(1))] = path
-    return dict(sorted(found.items()))
+            try:
+                self._writer.close()
+            finally:
+                self._sink.close()
 
 
 def _footer_opens(path: Path) -> bool:
@@ -189,7 +169,7 @@ def finished_shards(out_dir: str | Path) -> dict[int, Path]:
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return {}
-    return {index: path for index, path in _indexed_files(out_dir, _SHARD_PATTERN).items()
+    return {index: path for index, path in numbered_files(out_dir, _SHARD_PATTERN).items()
             if (out_dir / sidecar_name(index)).exists() and _footer_opens(path)}
 
 
@@ -204,8 +184,8 @@ def remove_partial(out_dir: str | Path) -> list[Path]:
         return []
     finished = finished_shards(out_dir)
     leftovers = sorted(out_dir.glob("*.tmp"))
-    leftovers += [path for index, path in _indexed_files(out_dir, _SIDECAR_PATTERN).items() if index not in finished]
-    leftovers += [path for index, path in _indexed_files(out_dir, _SHARD_PATTERN).items() if index not in finished
+    leftovers += [path for index, path in numbered_files(out_dir, _SIDECAR_PATTERN).items() if index not in finished]
+    leftovers += [path for index, path in numbered_files(out_dir, _SHARD_PATTERN).items() if index not in finished
                   and not _footer_opens(path)]
     for path in leftovers:
         path.unlink()

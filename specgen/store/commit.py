@@ -1,0 +1,179 @@
+"""Atomic commits: the one way specgen puts a file under its final name.
+
+Every output file (shards, their sidecars, regenerated parts, manifests, checkpoints) is written to a temporary
+name beside its final one, flushed and fsync'd, renamed into place (`os.replace`, atomic on POSIX), and the
+directory is fsync'd so the rename survives a crash. A reader therefore sees either the old file or the complete
+new one, never a half-written file under a final name; `*.tmp` leftovers of a killed run are cleaned by the
+stages that resume (`remove_partial`).
+
+A write that fails because the disk (or a quota, or a file-size limit) is full becomes a one-line `DiskFull`
+error naming the directory and the bytes needed; the temporary file is deleted, so nothing half-written stays.
+
+`content_hash` is the checksum recorded for shards, parts and checkpoint files (sha256 of the bytes).
+"""
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from specgen.errors import SpecgenError
+
+TMP_SUFFIX = ".tmp"
+HASH_ALGORITHM = "sha256"
+_CHUNK = 8 << 20
+_DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_DISK_FULL_TEXT = ("No space left", "Disk quota exceeded", "File too large")
+
+
+class DiskFull(SpecgenError):
+    """A write ran out of disk space (or quota, or hit a file-size limit)."""
+
+
+def tmp_path(path: Path) -> Path:
+    """The temporary name a commit of `path` writes first."""
+    return path.with_name(path.name + TMP_SUFFIX)
+
+
+def fsync_file(path: str | Path) -> None:
+    """Flush a file's data to disk (a read-only descriptor suffices on POSIX)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Persist a directory's entries (a rename or create in it), so a crash right after cannot undo them."""
+    fsync_file(path)
+
+
+def content_hash(path: str | Path) -> str:
+    """The checksum of a file's bytes: hex sha256, read in 8 MiB chunks."""
+    digest = hashlib.new(HASH_ALGORITHM)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """True for an OSError that means 'no room': ENOSPC, EDQUOT or EFBIG (also as Arrow reports them)."""
+    if not isinstance(error, OSError):
+        return False
+    return error.errno in _DISK_FULL_ERRNOS or any(text in str(error) for text in _DISK_FULL_TEXT)
+
+
+def disk_full_error(directory: Path, needed: int, error: BaseException) -> DiskFull:
+    """The one-line error for a full disk: where, how many bytes the file needs (so far), how many are free, what
+    to do. A file-size limit (`ulimit -f`, EFBIG) reads the same, with the disk's real free space."""
+    try:
+        free = shutil.disk_usage(directory).free
+        free_text = f", {free:,} free"
+    except OSError:
+        free_text = ""
+    return DiskFull(f"out of disk space in {directory}: the file being written needs at least {needed:,} bytes"
+                    f"{free_text} ({error}); free space and re-run the same command to resume")
+
+
+@contextmanager
+def disk_errors(directory: str | Path, needed: Callable[[], int] | int):
+    """Turn a 'disk full' OSError raised inside into `DiskFull` (other errors pass through unchanged)."""
+    try:
+        yield
+    except OSError as error:
+        if not is_disk_full(error) or isinstance(error, DiskFull):
+            raise
+        raise disk_full_error(Path(directory), needed() if callable(needed) else needed, error) from error
+
+
+def commit_file(tmp: str | Path, path: str | Path) -> Path:
+    """Make the complete file `tmp` appear as `path`: fsync it, rename it into place, fsync the directory."""
+    tmp, path = Path(tmp), Path(path)
+    fsync_file(tmp)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return path
+
+
+def atomic_write(path: str | Path, produce: Callable[[Path], None], *, size_hint: int = 0) -> Path:
+    """Write `path` atomically: `produce(tmp)` writes the whole content to the temporary path, then it is committed.
+
+    On any failure the temporary file is deleted and `path` keeps its previous content (or stays absent); a full
+    disk is reported as `DiskFull` (size_hint: bytes the content needs, for the message).
+    """
+    path = Path(path)
+    tmp = tmp_path(path)
+    try:
+        with disk_errors(path.parent, lambda: max(size_hint, _size(tmp))):
+            produce(tmp)
+            return commit_file(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_bytes(data), size_hint=len(data))
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_json_atomic(path: str | Path, obj: Any, *, indent: int | None = 2) -> Path:
+    """JSON so that `path` holds either the old content or the complete new one."""
+    return write_text_atomic(path, json.dumps(obj, indent=indent, default=str))
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+# --- work units: a data file plus its sidecar, committed together (shards, regenerated parts) -----------------
+
+def numbered_files(directory: Path, pattern: re.Pattern) -> dict[int, Path]:
+    """Files of `directory` whose name fully matches `pattern` (group 1: the number), by number."""
+    found = {int(match.group(1)): path for path in directory.iterdir() if (match := pattern.fullmatch(path.name))}
+    return dict(sorted(found.items()))
+
+
+def commit_unit(tmp: Path, path: Path, sidecar_path: Path, sidecar: dict) -> dict:
+    """Commit a work unit's file: its checksum goes into the sidecar, the sidecar is written atomically, then the
+    file is renamed into place (the commit point). Returns the sidecar as written.
+
+    A kill at any moment leaves either `tmp` (and possibly an orphan sidecar) or the finished unit; a unit counts
+    as finished only when both its file and its sidecar exist under their final names.
+    """
+    fsync_file(tmp)
+    sidecar = {**sidecar, "checksum": {HASH_ALGORITHM: content_hash(tmp), "bytes": tmp.stat().st_size}}
+    write_json_atomic(sidecar_path, sidecar)
+    commit_file(tmp, path)
+    return sidecar
+
+
+def checksum_problems(files: dict[str, Path], expected: dict[str, str | None]) -> list[str]:
+    """One line per file whose content hash differs from `expected[name]` (names without a record are skipped)."""
+    problems = []
+    for name, path in files.items():
+        want = expected.get(name)
+        if want is None:
+            continue
+        if not path.exists():
+            problems.append(f"{name}: missing")
+            continue
+        got = content_hash(path)
+        if got != want:
+            problems.append(f"{name}: checksum mismatch ({HASH_ALGORITHM} {got[:12]}..., recorded {want[:12]}...): "
+                            "the file is damaged")
+    return problems

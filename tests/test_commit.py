@@ -1,0 +1,33 @@
+"""specgen.store.commit: atomic writes keep the old file or the complete new one; a full disk is one line."""
+
+import errno
+import hashlib
+
+import pytest
+
+from specgen.store.commit import DiskFull, atomic_write, content_hash, write_json_atomic
+
+
+def test_a_failed_write_keeps_the_old_content_and_leaves_no_temp_file(tmp_path):
+    path = tmp_path / "manifest.json"
+    write_json_atomic(path, {"v": 1})
+
+    def half_then_full(tmp):
+        tmp.write_text('{"v": ')
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(DiskFull) as error:
+        atomic_write(path, half_then_full, size_hint=4096)
+    message = str(error.value)
+    assert "\n" not in message and f"out of disk space in {tmp_path}" in message and "4,096 bytes" in message
+    assert path.read_text() == '{\n  "v": 1\n}' and not list(tmp_path.glob("*.tmp"))
+
+
+def test_other_errors_pass_through_and_the_hash_is_sha256(tmp_path):
+    def broken(tmp):
+        raise PermissionError(errno.EACCES, "denied")
+
+    with pytest.raises(PermissionError):
+        atomic_write(tmp_path / "x", broken)
+    atomic_write(tmp_path / "x", lambda tmp: tmp.write_bytes(b"abc" * 10_000_000))
+    assert content_hash(tmp_path / "x") == hashlib.sha256(b"abc" * 10_000_000).hexdigest()

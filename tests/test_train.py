@@ -58,7 +58,12 @@ def test_offline_training_writes_a_servable_checkpoint(shards, target, tmp_path)
     config = json.loads((ckpt / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["num_hidden_layers"] == 1 and config["vocab_size"] == 2048 and config["hidden_size"] == 64
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # default for 8 layers
+    # default for 8 layers: outputs of layers 1, 3, 4, which vLLM numbers hidden_states[2, 4, 5]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert config["specgen"]["aux_layers"] == [1, 3, 4]
+    assert config["specgen"]["aux_layer_convention"] == "layer_outputs_0based"
+    assert config["specgen"]["format"] == "vllm"
+    assert config["dtype"] == "float32"  # the stored weights' dtype
     assert 0 < config["draft_vocab_size"] <= 300 and config["target_hidden_size"] == 64
     assert config["specgen"]["target"]["path"] == str(target) and config["specgen"]["step"] == 3
     assert transformers.AutoConfig.from_pretrained(ckpt).draft_vocab_size == config["draft_vocab_size"]

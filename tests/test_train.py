@@ -133,6 +133,18 @@ def test_fine_tuning_reuses_the_checkpoint_vocabulary(shards, tmp_path):
     assert torch.equal(load_file(base / "model.safetensors")["d2t"], load_file(tuned / "model.safetensors")["d2t"])
 
 
+def test_fine_tuning_refuses_shards_of_other_aux_layers(shards, tmp_path):
+    base = tmp_path / "base"
+    train([f"data.shards={shards}", f"output.dir={base}", "train.max_steps=1"])
+    config = json.loads((base / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5]  # vLLM ids: layer outputs 0, 2, 4
+    config["specgen"]["aux_layers"] = [0, 2, 4]
+    (base / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecgenError, match=r"aux layers \[0, 2, 4\].*\[1, 3, 4\]"):
+        train([f"data.shards={shards}", f"output.dir={tmp_path / 'tuned'}", "train.max_steps=1",
+               f"draft.init={base}"])
+
+
 def test_user_errors_are_one_line_messages(tmp_path):
     with pytest.raises(SpecgenError, match="data.shards"):
         train([f"output.dir={tmp_path / 'x'}"])

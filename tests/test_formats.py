@@ -216,3 +216,45 @@ def test_export_stage_writes_and_refuses(tmp_path):
         run(compose("export", [f"draft.path={ckpt}", f"output.dir={tmp_path / 'sg'}"]))
     with pytest.raises(SpecgenError, match="export.format"):
         run(compose("export", [f"draft.path={ckpt}", f"output.dir={tmp_path / 'x'}", "export.format=gguf"]))
+
+
+def sglang_captured_hidden_states(config: dict, hidden_states: tuple) -> list:
+    """What SGLang 0.5.23 feeds the draft, following its code: `_resolve_eagle_aux_hidden_state` reads
+    eagle_config["eagle_aux_hidden_state_layer_ids"]; llama.py `set_eagle3_layers_to_capture` sets
+    layers_to_capture = [id + 1]; LlamaModel.forward captures the residual stream entering layer i for i in
+    layers_to_capture, i.e. HF hidden_states[i]."""
+    layers_to_capture = [layer_id + 1 for layer_id in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+    return [hidden_states[i] for i in layers_to_capture]
+
+
+def vllm_captured_hidden_states(config: dict, hidden_states: tuple) -> list:
+    """What vLLM 0.32 feeds the draft, following its code: gpu_model_runner `_get_eagle3_aux_layers_from_config`
+    reads the ids (top level, else eagle_config) as aux_hidden_state_layers; llama.py LlamaModel.forward calls
+    `_maybe_add_hidden_state` with start_layer before the first layer and idx + 1 after layer idx, i.e. id k is
+    HF hidden_states[k]."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    return [hidden_states[k] for k in ids]
+
+
+@pytest.mark.parametrize("fmt,reader", [("vllm", vllm_captured_hidden_states),
+                                        ("speculators", vllm_captured_hidden_states),
+                                        ("sglang", sglang_captured_hidden_states)], ids=["as-vllm", "as-spec", "as-sglang"])
+def test_each_engine_feeds_the_draft_the_layers_it_was_trained_on(tmp_path, fmt, reader):
+    """The engine's reading of the exported ids selects the same target states specgen's capture trained on."""
+    from specgen.assets import ASSETS_DIR
+    from specgen.draft.speculative import TargetRunner
+
+    path = ASSETS_DIR / "tiny-target"
+    target = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    draft = Eagle3Draft(draft_config(target.config, aux_layers=AUX, draft_vocab_size=16))
+    config, _ = export_files(draft.config, stored(draft), fmt, verifier=str(path))
+    ids = torch.tensor([[5, 17, 99, 3, 250]])
+    with torch.no_grad():
+        hidden_states = target(ids, output_hidden_states=True).hidden_states
+        from transformers import DynamicCache
+        _, specgen_aux = TargetRunner(target, AUX).forward(ids[0].tolist(), DynamicCache())
+    engine_aux = torch.cat([state[0] for state in reader(config, hidden_states)], dim=-1)
+    assert torch.allclose(engine_aux, specgen_aux, atol=1e-5)
+    if fmt != "sglang":  # the sglang file read by vLLM: one layer early
+        wrong, _ = export_files(draft.config, stored(draft), "sglang")
+        assert not torch.allclose(torch.cat([s[0] for s in reader(wrong, hidden_states)], dim=-1), specgen_aux)

@@ -1,12 +1,17 @@
 """`python -m specgen.evaluate draft.path=CKPT`: acceptance length of a draft, and a losslessness check.
 
 For every prompt turn the target decodes greedily twice: alone (the reference) and speculatively with the draft
-(`specgen.draft.speculative`). Acceptance length = tokens emitted per target verification round, the bonus token
-included, so 1.0 means the draft never helped and K+1 is the ceiling. Multi-turn prompts build their history from
-the reference answers, so both decodings of a turn always see the same prompt.
+(`specgen.draft.speculative`). Acceptance length is counted as vLLM, SGLang and the EAGLE papers count it:
+1 + accepted draft tokens / verification rounds (the bonus token included), so 1.0 means the draft never helped
+and K+1 is the ceiling; `acceptance_rate_per_position[j]` is the share of rounds whose first j+1 draft tokens were
+all accepted (vLLM's num_accepted_tokens_per_pos / num_drafts). `emitted_tokens_per_round` is another figure:
+tokens actually emitted per round, which is lower because the last round of a turn is cut at its end.
+Multi-turn prompts build their history from the reference answers, so both decodings of a turn always see the
+same prompt.
 
-Writes output.dir/eval.json (overall and per-category acceptance, accepted-token histogram, tokens/s of both
-decodings, matches_target_greedy) and output.dir/samples.jsonl (one line per prompt turn).
+Writes output.dir/eval.json (overall and per-category acceptance, per-position acceptance rates, accepted-token
+histogram, tokens/s of both decodings, matches_target_greedy) and output.dir/samples.jsonl (one line per prompt
+turn, with its prompt and output token ids, so another engine can replay exactly the same prompts).
 """
 
 import json
@@ -23,7 +28,8 @@ from specgen.capture.target import load_target
 from specgen.config import stage_main
 from specgen.data.formats import Conversation, normalize, record_id
 from specgen.data.sources import iter_records
-from specgen.draft.checkpoint import load_draft, read_draft_config, specgen_info
+from specgen.draft.checkpoint import load_draft, read_raw_config, specgen_info
+from specgen.draft.model import aux_layers_of
 from specgen.draft.speculative import Generation, TargetRunner, greedy_generate, speculative_generate
 from specgen.errors import RowError, SpecgenError
 from specgen.runtime import load_tokenizer, resolve_device, set_threads, stop_token_ids
@@ -82,7 +88,7 @@ def run(cfg: DictConfig) -> dict:
     if cfg.evaluate.turns not in TURNS:
         raise SpecgenError(f"evaluate.turns must be one of {list(TURNS)}, got {cfg.evaluate.turns!r}")
     set_threads(cfg.runtime.threads)
-    info = specgen_info(read_draft_config(cfg.draft.path))
+    info = specgen_info(read_raw_config(cfg.draft.path))
     target_path = cfg.model.path or info.get("target", {}).get("path")
     if target_path is None:
         raise SpecgenError(f"the draft at {cfg.draft.path} does not record its target: pass model.path=TARGET")
@@ -90,8 +96,14 @@ def run(cfg: DictConfig) -> dict:
     model = load_target(target_path, dtype=cfg.model.dtype, device=str(device),
                         attn_implementation=cfg.model.attn_implementation)
     embedding = model.get_input_embeddings().weight.detach().float()
-    draft = load_draft(cfg.draft.path, embedding=embedding).to(device).eval()
-    aux_layers = info.get("aux_layers") or draft.config.eagle_config["eagle_aux_hidden_state_layer_ids"]
+    draft = load_draft(cfg.draft.path, embedding=embedding, target_config=model.config,
+                       foreign_ids=cfg.draft.foreign_aux_ids).to(device).eval()
+    aux_layers = aux_layers_of(draft.config)
+    num_layers = model.config.get_text_config().num_hidden_layers
+    if max(aux_layers) >= num_layers or draft.config.target_hidden_size != embedding.shape[1]:
+        raise SpecgenError(f"the draft reads aux layers {aux_layers} of size {draft.config.target_hidden_size} but "
+                           f"the target {target_path} has {num_layers} layers of size {embedding.shape[1]}: pass "
+                           "the draft's own target as model.path")
     target = TargetRunner(model, aux_layers)
     tokenizer = load_tokenizer(cfg.tokenizer.path or target_path)
     eos_ids = set(stop_token_ids(model, tokenizer))
@@ -124,7 +136,7 @@ def _evaluate_prompt(prompt: Prompt, target: TargetRunner, draft, tokenizer, cfg
         reference = greedy_generate(target, prompt_ids, max_new_tokens=cfg.evaluate.max_new_tokens, eos_ids=eos_ids)
         speculative = speculative_generate(target, draft, prompt_ids, num_draft_tokens=cfg.evaluate.num_draft_tokens,
                                            max_new_tokens=cfg.evaluate.max_new_tokens, eos_ids=eos_ids)
-        results.append(_sample_record(prompt, turn, len(prompt_ids), reference, speculative))
+        results.append(_sample_record(prompt, turn, prompt_ids, reference, speculative))
         messages.append({"role": "assistant",
                          "content": tokenizer.decode(reference.tokens, skip_special_tokens=True)})
     return results
@@ -135,23 +147,35 @@ def _token_ids(encoded) -> list[int]:
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
-def _sample_record(prompt: Prompt, turn: int, prompt_tokens: int, reference: Generation,
+def _sample_record(prompt: Prompt, turn: int, prompt_ids: list[int], reference: Generation,
                    speculative: Generation) -> dict:
-    return {"id": prompt.id, "category": prompt.category, "turn": turn, "prompt_tokens": prompt_tokens,
+    return {"id": prompt.id, "category": prompt.category, "turn": turn, "prompt_tokens": len(prompt_ids),
             "new_tokens": len(speculative.tokens), "rounds": speculative.verification_rounds,
             "emitted_per_round": speculative.rounds_emitted, "accepted": speculative.accepted,
             "matches_target_greedy": speculative.tokens == reference.tokens,
             "seconds_speculative": speculative.seconds, "seconds_greedy": reference.seconds,
-            "greedy_tokens": len(reference.tokens)}
+            "greedy_tokens": len(reference.tokens), "prompt_token_ids": list(prompt_ids),
+            "output_token_ids": list(speculative.tokens)}
+
+
+def acceptance(samples: list[dict], num_draft_tokens: int) -> dict:
+    """Acceptance figures of a group of turns, pooled over their verification rounds.
+
+    acceptance_length: 1 + accepted draft tokens / rounds (vLLM's mean acceptance length);
+    acceptance_rate_per_position[j]: share of rounds that accepted at least j + 1 draft tokens;
+    emitted_tokens_per_round: tokens emitted / rounds, the last round of a turn cut at its end (a different figure).
+    """
+    rounds = sum(s["rounds"] for s in samples)
+    if not rounds:
+        return {"acceptance_length": None, "acceptance_rate_per_position": None, "emitted_tokens_per_round": None}
+    accepted = [a for s in samples for a in s["accepted"]]
+    return {"acceptance_length": 1 + sum(accepted) / rounds,
+            "acceptance_rate_per_position": [sum(a > j for a in accepted) / rounds for j in range(num_draft_tokens)],
+            "emitted_tokens_per_round": sum(sum(s["emitted_per_round"]) for s in samples) / rounds}
 
 
 def summarize(samples: list[dict], *, num_draft_tokens: int) -> dict:
-    """Acceptance length = emitted tokens / verification rounds, pooled over turns (overall and per category)."""
-
-    def acceptance(group: list[dict]) -> float | None:
-        rounds = sum(s["rounds"] for s in group)
-        return sum(sum(s["emitted_per_round"]) for s in group) / rounds if rounds else None
-
+    """Acceptance figures (see `acceptance`) overall and per category, losslessness, histogram and speed."""
     by_category: dict[str, list[dict]] = defaultdict(list)
     for sample in samples:
         by_category[sample["category"]].append(sample)
@@ -163,7 +187,7 @@ def summarize(samples: list[dict], *, num_draft_tokens: int) -> dict:
     greedy_seconds = sum(s["seconds_greedy"] for s in samples)
     mismatches = [f"{s['id']}#{s['turn']}" for s in samples if not s["matches_target_greedy"]]
     return {
-        "acceptance_length": acceptance(samples),
+        **acceptance(samples, num_draft_tokens),
         "num_draft_tokens": num_draft_tokens,
         "matches_target_greedy": not mismatches,
         "mismatched_turns": mismatches,
@@ -171,8 +195,9 @@ def summarize(samples: list[dict], *, num_draft_tokens: int) -> dict:
         "num_turns": len(samples),
         "new_tokens": sum(s["new_tokens"] for s in samples),
         "verification_rounds": sum(s["rounds"] for s in samples),
+        "accepted_draft_tokens": sum(sum(s["accepted"]) for s in samples),
         "accepted_histogram": histogram,
-        "per_category": {category: {"acceptance_length": acceptance(group), "turns": len(group)}
+        "per_category": {category: {**acceptance(group, num_draft_tokens), "turns": len(group)}
                          for category, group in sorted(by_category.items())},
         "tokens_per_s": {"speculative": sum(s["new_tokens"] for s in samples) / max(speculative_seconds, 1e-9),
                          "target_greedy": sum(s["greedy_tokens"] for s in samples) / max(greedy_seconds, 1e-9)},
@@ -185,8 +210,10 @@ def _print_report(report: dict, out_dir: Path) -> None:
                              if values["acceptance_length"] is not None)
     speed, mismatched = report["tokens_per_s"], report["mismatched_turns"]
     print(format_table([
-        ("acceptance length", f"{report['acceptance_length']:.3f} tokens per verification "
+        ("acceptance length", f"{report['acceptance_length']:.3f} = 1 + accepted drafts per verification "
                               f"(K={report['num_draft_tokens']}, ceiling {report['num_draft_tokens'] + 1})"),
+        ("accepted per position", " ".join(f"{rate:.2f}" for rate in report["acceptance_rate_per_position"])),
+        ("emitted per round", f"{report['emitted_tokens_per_round']:.3f} tokens (turn ends cut)"),
         ("per category", per_category),
         ("accepted drafts", " ".join(f"{k}:{n}" for k, n in enumerate(report["accepted_histogram"]))),
         ("lossless", "yes: identical to the target's greedy output" if report["matches_target_greedy"] else

@@ -96,6 +96,7 @@ KEYS: dict[str, Key] = {
     "draft.vocab_size": _k("int", min=POSITIVE),
     "draft.vocab_source": _k("str", choices=("data", "target")),
     "draft.overrides": _k("dict"),
+    "draft.foreign_aux_ids": _k("str", choices=("layer_outputs", "hidden_states")),
     "train.max_steps": _k("int", null=True, min=POSITIVE),
     "train.epochs": _k("int", min=POSITIVE),
     "train.schedule_steps": _k("int", null=True, min=POSITIVE),
@@ -121,6 +122,10 @@ KEYS: dict[str, Key] = {
     "evaluate.max_new_tokens": _k("int", min=POSITIVE),
     "evaluate.max_prompts": _k("int", null=True, min=POSITIVE),
     "evaluate.turns": _k("str", choices=("all", "first")),
+    # export: a draft in the layout an engine reads
+    "export.format": _k("str", choices=("vllm", "sglang", "specforge", "speculators")),
+    "export.speculative_tokens": _k("int", min=POSITIVE),
+    "export.dtype": _k("str", null=True, choices=("float32", "bfloat16", "float16")),
     # verify: audit a dataset
     "verify.samples": _k("int", min=0),
     "verify.tolerance": _k("float", null=True, min=0),

@@ -37,7 +37,7 @@ from specgen.draft.checkpoint import (
     specgen_info,
 )
 from specgen.draft.distributed import DDPBackend, DeepSpeedBackend
-from specgen.draft.model import Eagle3Draft, draft_config
+from specgen.draft.model import Eagle3Draft, aux_layers_of, draft_config
 from specgen.draft.offline import OfflineBatches
 from specgen.draft.online import OnlineBatches, tokenize_source
 from specgen.draft.target_head import TargetHead, load_target_weights
@@ -60,7 +60,6 @@ from specgen.store.reader import open_shards
 
 log = logging.getLogger("specgen.train")
 
-AUX_LAYER_CONVENTION = "0-based decoder-layer outputs (Hugging Face hidden_states[i + 1]); SGLang's convention"
 _OUTPUTS = (CONFIG, WEIGHTS, METRICS, TOKEN_COUNTS, "training_state", "tensorboard")
 
 
@@ -141,7 +140,7 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
     backend = make_backend(cfg, objective, optimizer, scheduler, device, accelerator.num_processes)
 
     info = {"target": {"path": data.target_path, "config_hash": data.target_config_hash},
-            "aux_layers": data.aux_layers, "aux_layer_convention": AUX_LAYER_CONVENTION, "mode": cfg.mode,
+            "mode": cfg.mode,
             "data": data.description, "ttt_length": cfg.train.ttt_length, "specgen_config": to_container(cfg)}
 
     def save(state: TrainerState) -> None:
@@ -274,11 +273,16 @@ def build_draft(cfg: DictConfig, data: TrainingData, resume_from: Path | None) -
     """A fresh draft, or the weights and vocabulary of `draft.init` (fine-tuning) or of the run being resumed."""
     start_from = resume_from or cfg.draft.init
     if start_from is not None:
-        draft = load_draft(start_from, embedding=data.embedding)
-        recorded = specgen_info(read_draft_config(start_from)).get("aux_layers")
-        if recorded is not None and list(recorded) != data.aux_layers:
-            raise SpecgenError(f"the draft at {start_from} reads aux layers {recorded} but the data has "
-                               f"{data.aux_layers}; regenerate the data with capture.aux_layers={recorded}")
+        draft = load_draft(start_from, embedding=data.embedding, target_config=data.target_config,
+                           foreign_ids=cfg.draft.foreign_aux_ids)
+        recorded = aux_layers_of(draft.config)
+        if recorded != data.aux_layers:
+            raise SpecgenError(f"the draft at {start_from} reads aux layers {recorded} (0-based layer outputs) but "
+                               f"the data has {data.aux_layers}; regenerate the data with capture.aux_layers="
+                               f"{recorded}")
+        if draft.config.target_hidden_size != data.target_config.get_text_config().hidden_size:
+            raise SpecgenError(f"the draft at {start_from} reads target hidden states of size "
+                               f"{draft.config.target_hidden_size}, not the target's; it was trained for another target")
         return draft
     vocab_size = data.target_config.get_text_config().vocab_size
     mapping = build_vocab_mapping(vocab_counts(cfg, data), vocab_size, cfg.draft.vocab_size,
@@ -286,7 +290,6 @@ def build_draft(cfg: DictConfig, data: TrainingData, resume_from: Path | None) -
                                       cfg.draft.vocab_source, "the trained tokens"))
     config = draft_config(data.target_config, aux_layers=data.aux_layers,
                           draft_vocab_size=mapping.draft_vocab_size, overrides=to_container(cfg.draft.overrides))
-    config.dtype = str(data.lm_head.dtype).removeprefix("torch.")  # what a serving engine should load it as
     draft = Eagle3Draft(config)
     draft.d2t.copy_(mapping.d2t)
     draft.t2d.copy_(mapping.t2d)

@@ -15,7 +15,7 @@ from specgen.config import CONF_DIR, RECIPES_DIR, compose
 from specgen.errors import SpecgenError
 from specgen.schema import KEYS, leaves
 
-STAGES = ("generate", "train", "evaluate", "verify", "regenerate")
+STAGES = ("generate", "train", "evaluate", "verify", "regenerate", "export")
 TINY = REPO / "specgen" / "assets" / "tiny-target"
 # What a user must add to each recipe for each stage it serves (the recipe's own `???` keys, and a draft).
 REQUIRED = {"demo": {"generate": [], "train": ["data.shards=/tmp/s"], "evaluate": ["draft.path=/tmp/d"]},
@@ -45,8 +45,8 @@ def test_every_key_of_every_stage_is_typed_and_documented():
     readme = (REPO / "README.md").read_text()
     seen = set()
     for stage in STAGES:
-        cfg = compose(stage, ["data.shards=/s"] if stage == "verify" else ["draft.path=/d"] if stage == "evaluate"
-                      else [])
+        cfg = compose(stage, ["data.shards=/s"] if stage == "verify" else ["draft.path=/d"]
+                      if stage in ("evaluate", "export") else [])
         seen |= set(leaves(cfg))
     assert seen <= set(KEYS)
     undocumented = [key for key in KEYS if f"`{key}`" not in readme]

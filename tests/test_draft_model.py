@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from specgen.draft.model import DraftKV, Eagle3Draft, draft_config
+from specgen.draft.model import DraftKV, Eagle3Draft, aux_layers_of, draft_config
 from specgen.errors import SpecgenError
 
 PUBLISHED_NAMES = {  # yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, as read by vLLM / SGLang llama_eagle3.py
@@ -63,7 +63,8 @@ def test_draft_config_follows_target_and_records_eagle_keys():
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 8)
     assert config.rope_parameters["rope_theta"] == 5e5 and config.rms_norm_eps == 1e-5
     assert config.intermediate_size == 64 and config.draft_vocab_size == 20
-    assert config.eagle_config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert config.eagle_config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]  # vLLM's reading: layer i -> i + 1
+    assert aux_layers_of(config) == [1, 2, 3]
     with pytest.raises(SpecgenError, match="hidden_size"):
         draft_config(target, aux_layers=[1, 2, 3], draft_vocab_size=20, overrides={"hidden_size": 64})
 

@@ -72,6 +72,30 @@ def test_acceptance_is_counted_per_verification_round(target_dir):
         assert result.rounds_emitted == [expected] * rounds
 
 
+def sample(accepted: list[int], emitted: list[int], category: str = "all") -> dict:
+    return {"id": category, "category": category, "turn": 0, "new_tokens": 1 + sum(emitted), "rounds": len(accepted),
+            "accepted": accepted, "emitted_per_round": emitted, "matches_target_greedy": True,
+            "seconds_speculative": 1.0, "seconds_greedy": 1.0, "greedy_tokens": 1 + sum(emitted)}
+
+
+def test_acceptance_length_is_one_plus_accepted_per_round():
+    """vLLM's definition: 1 + accepted / rounds; the last round of a turn may emit fewer tokens than it accepted
+    (cut at the end of the turn), which only the separately named emitted_tokens_per_round sees."""
+    from specgen.evaluate import summarize
+
+    k = 4
+    samples = [sample([4, 0, 2], [5, 1, 1], "a"),  # last round accepted 2 but the turn ended after 1 token
+               sample([1, 3], [2, 4], "b")]
+    report = summarize(samples, num_draft_tokens=k)
+    assert report["acceptance_length"] == pytest.approx(1 + 10 / 5)
+    assert report["emitted_tokens_per_round"] == pytest.approx(13 / 5)
+    # vLLM's num_accepted_tokens_per_pos / num_drafts: rounds that accepted at least j + 1 drafts
+    assert report["acceptance_rate_per_position"] == pytest.approx([4 / 5, 3 / 5, 2 / 5, 1 / 5])
+    assert report["accepted_histogram"] == [1, 1, 1, 1, 1] and report["accepted_draft_tokens"] == 10
+    assert report["per_category"]["a"]["acceptance_length"] == pytest.approx(1 + 6 / 3)
+    assert report["per_category"]["b"]["acceptance_rate_per_position"] == pytest.approx([1, 0.5, 0.5, 0])
+
+
 def test_evaluate_stage_on_mt_bench_prompts(target_dir, tmp_path):
     from specgen.evaluate import run
 
@@ -92,6 +116,10 @@ def test_evaluate_stage_on_mt_bench_prompts(target_dir, tmp_path):
                                             for line in mt_bench.read_text().splitlines()[:3]}
     samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
     assert sum(s["rounds"] for s in samples) == written["verification_rounds"]
+    accepted = sum(sum(s["accepted"]) for s in samples)
+    assert written["acceptance_length"] == pytest.approx(1 + accepted / written["verification_rounds"])
+    assert len(written["acceptance_rate_per_position"]) == 4
+    assert all(s["output_token_ids"][:1] and len(s["prompt_token_ids"]) == s["prompt_tokens"] for s in samples)
 
 
 def test_prompts_from_conversations_use_their_user_turns(tmp_path):

@@ -58,7 +58,12 @@ def test_offline_training_writes_a_servable_checkpoint(shards, target, tmp_path)
     config = json.loads((ckpt / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["num_hidden_layers"] == 1 and config["vocab_size"] == 2048 and config["hidden_size"] == 64
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # default for 8 layers
+    # default for 8 layers: outputs of layers 1, 3, 4, which vLLM numbers hidden_states[2, 4, 5]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert config["specgen"]["aux_layers"] == [1, 3, 4]
+    assert config["specgen"]["aux_layer_convention"] == "layer_outputs_0based"
+    assert config["specgen"]["format"] == "vllm"
+    assert config["dtype"] == "float32"  # the stored weights' dtype
     assert 0 < config["draft_vocab_size"] <= 300 and config["target_hidden_size"] == 64
     assert config["specgen"]["target"]["path"] == str(target) and config["specgen"]["step"] == 3
     assert transformers.AutoConfig.from_pretrained(ckpt).draft_vocab_size == config["draft_vocab_size"]
@@ -135,6 +140,18 @@ def test_fine_tuning_reuses_the_checkpoint_vocabulary(shards, tmp_path):
     train([f"data.shards={shards}", f"output.dir={tuned}", "train.max_steps=1", f"draft.init={base}",
            "draft.vocab_size=300"])
     assert torch.equal(load_file(base / "model.safetensors")["d2t"], load_file(tuned / "model.safetensors")["d2t"])
+
+
+def test_fine_tuning_refuses_shards_of_other_aux_layers(shards, tmp_path):
+    base = tmp_path / "base"
+    train([f"data.shards={shards}", f"output.dir={base}", "train.max_steps=1"])
+    config = json.loads((base / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5]  # vLLM ids: layer outputs 0, 2, 4
+    config["specgen"]["aux_layers"] = [0, 2, 4]
+    (base / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecgenError, match=r"aux layers \[0, 2, 4\].*\[1, 3, 4\]"):
+        train([f"data.shards={shards}", f"output.dir={tmp_path / 'tuned'}", "train.max_steps=1",
+               f"draft.init={base}"])
 
 
 def test_user_errors_are_one_line_messages(tmp_path):

@@ -8,7 +8,8 @@
     offline.py      batches from shards;  online.py: batches captured by the target in the loop
     distributed.py  DDP or DeepSpeed ZeRO-2 under `accelerate launch`
     trainer.py      the loop: steps, metrics.jsonl, TensorBoard, checkpoints, resume
-    checkpoint.py   the vLLM / SGLang `LlamaForCausalLMEagle3` checkpoint layout
+    checkpoint.py   the `LlamaForCausalLMEagle3` checkpoint layout, as vLLM reads it (aux ids = layer outputs + 1)
+    formats.py      export to / import from the vllm, sglang, specforge and speculators layouts (aux-id conventions)
     speculative.py  greedy speculative decoding and the reference greedy decoding, for evaluation
 """
 

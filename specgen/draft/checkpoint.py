@@ -1,16 +1,19 @@
-"""Draft checkpoints in the layout vLLM's and SGLang's EAGLE-3 Llama loaders read.
+"""Draft checkpoints in the layout vLLM's and SGLang's EAGLE-3 Llama loaders read (vLLM's reading of the ids).
 
     CKPT/config.json         LlamaConfig of the draft: architectures ["LlamaForCausalLMEagle3"], num_hidden_layers 1,
-                             vocab_size (target), draft_vocab_size, target_hidden_size,
-                             eagle_config.eagle_aux_hidden_state_layer_ids, plus a "specgen" section (target
-                             path and config hash, aux layer convention, training step, the weights' sha256
-                             in `checksums`, checked by load_draft) that loaders ignore
+                             vocab_size (target), draft_vocab_size, target_hidden_size, norm_before_residual,
+                             eagle_config.eagle_aux_hidden_state_layer_ids = specgen aux layers + 1 (vLLM reads them
+                             as Hugging Face hidden_states indices), dtype = the stored weights' dtype, plus a
+                             "specgen" section that loaders ignore: target path and config hash, aux_layers in
+                             specgen's convention (0-based decoder-layer outputs), the format, training step, the weights'
+                             sha256 in `checksums` (checked by load_draft)
     CKPT/model.safetensors   fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t (int64), t2d (bool)
     CKPT/training_state/     optimizer, scheduler and data position, to resume training exactly
 
 The token embedding is the target's and is not stored (as in the published EAGLE-3 drafts): both serving
 engines, and `load_draft` here, take it from the target. Weights are stored in the training dtype (float32 master
-weights) so resuming is exact; `config.json` names the target's dtype for serving.
+weights) so resuming is exact; engines run the draft in the target's dtype. Other layouts (the SGLang, SpecForge
+and speculators formats, the published EAGLE-3 drafts) are read through `specgen.draft.formats`.
 """
 
 import json
@@ -18,75 +21,63 @@ from pathlib import Path
 
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
+from specgen.draft import formats
+from specgen.draft.formats import CONFIG, WEIGHTS
 from specgen.draft.model import Eagle3Draft
 from specgen.errors import SpecgenError
-from specgen.store.commit import atomic_write, checksum_problems, content_hash
+from specgen.store.commit import checksum_problems
 
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
 TRAINING_STATE = "training_state"
 _NOT_STORED = ("embed_tokens.weight",)
 
 
-_write_atomic = atomic_write  # write(tmp) produces the file; fsync'd and renamed into place
-
-
-def serving_config(config: transformers.LlamaConfig, specgen_info: dict) -> dict:
-    """config.json content: the draft config plus the legacy rope keys older loaders read."""
-    data = config.to_dict()
-    rope = dict(data.get("rope_parameters") or {})
-    if "rope_theta" in rope:
-        data["rope_theta"] = rope["rope_theta"]
-    if rope.get("rope_type", "default") != "default":
-        data["rope_scaling"] = {key: value for key, value in rope.items() if key != "rope_theta"}
-    data["specgen"] = specgen_info
-    return data
-
-
 def save_draft(draft: Eagle3Draft, out_dir: str | Path, specgen_info: dict) -> None:
-    """Write config.json and model.safetensors (each atomically: a reader never sees a half-written file)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in draft.state_dict().items()
-               if name not in _NOT_STORED}
-    _write_atomic(out_dir / WEIGHTS, lambda path: save_file(tensors, str(path), metadata={"format": "pt"}))
-    checksums = {WEIGHTS: content_hash(out_dir / WEIGHTS)}  # checked by load_draft
-    config = serving_config(draft.config, {**specgen_info, "checksums": checksums})
-    _write_atomic(out_dir / CONFIG, lambda path: path.write_text(json.dumps(config, indent=2)))
+    """Write config.json and model.safetensors in the vllm format (each atomically)."""
+    tensors = {name: tensor for name, tensor in draft.state_dict().items() if name not in _NOT_STORED}
+    config, tensors = formats.export_files(draft.config, tensors, "vllm", info=specgen_info)
+    formats.write_files(out_dir, config, tensors)
 
 
-def read_draft_config(path: str | Path) -> transformers.LlamaConfig:
+def read_raw_config(path: str | Path) -> dict:
+    """config.json of a draft checkpoint folder, as stored."""
     folder = Path(path)
-    if not (folder / CONFIG).is_file() or not (folder / WEIGHTS).is_file():
+    if not (folder / CONFIG).is_file() or formats.weights_file(folder) is None:
         raise SpecgenError(f"draft.path {str(path)!r} is not a draft checkpoint (needs {CONFIG} and {WEIGHTS}); "
                            "point it at the output.dir of specgen.train")
-    config = transformers.LlamaConfig.from_dict(json.loads((folder / CONFIG).read_text()))
-    if not _is_eagle3_config(config):
-        raise SpecgenError(f"{folder / CONFIG} does not describe an EAGLE-3 draft (no draft_vocab_size / "
-                           "eagle_config); point draft.path at a checkpoint written by specgen.train")
-    return config
+    return json.loads((folder / CONFIG).read_text())
 
 
-def _is_eagle3_config(config: transformers.PretrainedConfig) -> bool:
-    return getattr(config, "draft_vocab_size", None) is not None and getattr(config, "eagle_config", None) is not None
+def read_draft_config(path: str | Path, *, target_config: transformers.PretrainedConfig | None = None,
+                      foreign_ids: str = "layer_outputs") -> transformers.LlamaConfig:
+    """The draft's config in specgen's form, from any supported layout (see `specgen.draft.formats`).
+
+    `target_config` resolves the default aux layers of drafts that record none; `foreign_ids` says how to read the
+    ids of a plain EAGLE-3 checkpoint specgen did not write.
+    """
+    num_layers = target_config.get_text_config().num_hidden_layers if target_config is not None else None
+    return formats.canonical_config(read_raw_config(path), source=str(Path(path) / CONFIG),
+                                    target_num_layers=num_layers, foreign_ids=foreign_ids)
 
 
-def load_draft(path: str | Path, embedding: torch.Tensor | None = None) -> Eagle3Draft:
+def load_draft(path: str | Path, embedding: torch.Tensor | None = None, *,
+               target_config: transformers.PretrainedConfig | None = None,
+               foreign_ids: str = "layer_outputs") -> Eagle3Draft:
     """Load a draft checkpoint; `embedding` is the target's input embedding (not stored in the checkpoint)."""
     folder = Path(path)
-    config = read_draft_config(folder)
-    damaged = checksum_problems({WEIGHTS: folder / WEIGHTS}, specgen_info(config).get("checksums") or {})
+    config = read_draft_config(folder, target_config=target_config, foreign_ids=foreign_ids)
+    recorded = (read_raw_config(folder).get("specgen") or {}).get("checksums") or {}
+    damaged = checksum_problems({WEIGHTS: folder / WEIGHTS}, recorded)
     if damaged:
         raise SpecgenError(f"{folder}: {damaged[0]}; restore the checkpoint from a copy or train it again")
     draft = Eagle3Draft(config)
-    state = load_file(str(folder / WEIGHTS))
+    state = formats.canonical_tensors(formats.read_tensors(folder), config)
     missing, unexpected = draft.load_state_dict(state, strict=False)
     missing = [name for name in missing if name not in _NOT_STORED]
     if missing or unexpected:
-        raise SpecgenError(f"{folder / WEIGHTS} does not match its config: missing {missing}, unexpected "
-                           f"{unexpected}; the checkpoint is damaged or from another tool")
+        raise SpecgenError(f"{formats.weights_file(folder)} does not match its config: missing {missing}, "
+                           f"unexpected {unexpected}; the checkpoint is damaged or has a layout specgen does not "
+                           "implement")
     if embedding is not None:
         set_embedding(draft, embedding)
     return draft
@@ -102,5 +93,8 @@ def set_embedding(draft: Eagle3Draft, embedding: torch.Tensor) -> None:
         draft.embed_tokens.weight.copy_(embedding)
 
 
-def specgen_info(config: transformers.PretrainedConfig) -> dict:
+def specgen_info(config: transformers.PretrainedConfig | dict) -> dict:
+    """The "specgen" section of a draft config (or of a raw config.json dict)."""
+    if isinstance(config, dict):
+        return dict(config.get("specgen") or {})
     return dict(getattr(config, "specgen", None) or {})

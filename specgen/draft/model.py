@@ -50,8 +50,9 @@ def draft_config(target_config: transformers.PretrainedConfig, *, aux_layers: li
                  overrides: dict | None = None) -> transformers.LlamaConfig:
     """The draft's config, derived from the target's (text) config.
 
-    `aux_layers` are specgen's 0-based decoder-layer output indices, recorded as
-    `eagle_config.eagle_aux_hidden_state_layer_ids` (the SGLang/SpecForge convention: layer outputs).
+    `aux_layers` are specgen's 0-based decoder-layer output indices; `eagle_config.eagle_aux_hidden_state_layer_ids`
+    holds them as vLLM reads them (`serving_layer_ids`: Hugging Face hidden_states indices, aux + 1), so the
+    checkpoint serves in vLLM as trained. `aux_layers_of(config)` gives specgen's indices back.
     `overrides` may change the sizes in `OVERRIDABLE`; the hidden size must stay the target's because the
     draft shares the target's token embedding.
     """
@@ -69,9 +70,23 @@ def draft_config(target_config: transformers.PretrainedConfig, *, aux_layers: li
     config.architectures = [ARCHITECTURE]
     config.draft_vocab_size = int(draft_vocab_size)
     config.target_hidden_size = int(text.hidden_size)
-    config.eagle_config = {"eagle_aux_hidden_state_layer_ids": [int(layer) for layer in aux_layers],
+    config.eagle_config = {"eagle_aux_hidden_state_layer_ids": serving_layer_ids(aux_layers),
                            "use_aux_hidden_state": True}
     return config
+
+
+def serving_layer_ids(aux_layers: list[int]) -> list[int]:
+    """specgen aux layers (0-based decoder-layer outputs) -> vLLM's `eagle_aux_hidden_state_layer_ids`.
+
+    vLLM (0.32, `llama.py` `_maybe_add_hidden_state`) and speculators number the residual stream entering layer k,
+    i.e. Hugging Face `hidden_states[k]` (0 = the embedding output), so the output of decoder layer i is id i + 1.
+    """
+    return [int(layer) + 1 for layer in aux_layers]
+
+
+def aux_layers_of(config: transformers.PretrainedConfig) -> list[int]:
+    """specgen's aux layers (0-based decoder-layer outputs) of a draft config (see `serving_layer_ids`)."""
+    return [int(layer_id) - 1 for layer_id in config.eagle_config["eagle_aux_hidden_state_layer_ids"]]
 
 
 def num_aux_layers(config: transformers.PretrainedConfig) -> int:

@@ -1,0 +1,67 @@
+"""Replay specgen.evaluate's prompts in vLLM (its CPU build), greedy, and report what vLLM itself counted.
+
+    python tests/vllm_replay.py SAMPLES_JSONL OUT_JSON --target DIR [--draft DIR] [--k 4] [--max-new-tokens N]
+    python tests/vllm_replay.py SAMPLES_JSONL OUT_JSON --speculators DIR      # no method flag: vLLM reads the
+                                                                             # speculators_config in DIR/config.json
+SAMPLES_JSONL is specgen.evaluate's samples.jsonl (prompt_token_ids per turn). OUT_JSON receives the output token ids
+per turn and vLLM's spec-decode counters (num_drafts, num_draft_tokens, num_accepted_tokens,
+num_accepted_tokens_per_pos) with vLLM's acceptance length 1 + accepted / drafts. Run it in vLLM's venv; vLLM spawns
+workers, hence the __main__ guard.
+"""
+
+import argparse
+import json
+import os
+
+
+def counters(llm) -> dict:
+    """vLLM's own spec-decode counters (prometheus metrics of the offline engine)."""
+    found = {}
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:spec_decode_")
+        if name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            found[name] = found.get(name, 0) + metric.value
+        elif name == "num_accepted_tokens_per_pos":
+            values = found.setdefault(name, [0] * len(metric.values))
+            found[name] = [a + b for a, b in zip(values, metric.values)]
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("samples")
+    parser.add_argument("out")
+    parser.add_argument("--target")
+    parser.add_argument("--draft")
+    parser.add_argument("--speculators")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, required=True)
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    samples = [json.loads(line) for line in open(args.samples)]
+    options = dict(dtype=args.dtype, enforce_eager=True, disable_log_stats=False, max_model_len=1024,
+                   max_num_seqs=8, seed=0)
+    if args.speculators:
+        llm = LLM(model=args.speculators, **options)  # the speculators config names the target and the method
+    else:
+        spec = ({"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.k}
+                if args.draft else None)
+        llm = LLM(model=args.target, speculative_config=spec, **options)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=s["prompt_token_ids"]) for s in samples], params)
+    result = {"output_token_ids": [list(o.outputs[0].token_ids) for o in outputs], **counters(llm)}
+    if result.get("num_drafts"):
+        result["acceptance_length"] = 1 + result["num_accepted_tokens"] / result["num_drafts"]
+        result["acceptance_rate_per_position"] = [n / result["num_drafts"]
+                                                  for n in result["num_accepted_tokens_per_pos"]]
+    with open(args.out, "w") as handle:
+        json.dump(result, handle)
+
+
+if __name__ == "__main__":
+    main()

@@ -77,7 +77,7 @@ def main() -> None:
                       f"runtime.seed={seed}", "train.tensorboard=false", "output.overwrite=true", *args.train)
                 evaluation = work / f"eval-{codec}-{seed}"
                 evaluated = stage("evaluate", f"draft.path={draft}", f"model.path={args.target}",
-                                  f"output.dir={evaluation}", f"eval.max_prompts={args.eval_prompts}", required=False)
+                                  f"output.dir={evaluation}", f"evaluate.max_prompts={args.eval_prompts}", required=False)
                 acceptance = (json.loads((evaluation / "eval.json").read_text())["acceptance_length"] if evaluated
                               else float("nan"))
                 results[codec, seed] = {**final_metrics(draft), "acceptance": acceptance}

@@ -42,7 +42,7 @@ from specgen.draft.offline import OfflineBatches
 from specgen.draft.online import OnlineBatches, tokenize_source
 from specgen.draft.target_head import TargetHead, load_target_weights
 from specgen.draft.trainer import METRICS, DraftTrainer, LoopSettings, TrainerState, cosine_schedule
-from specgen.draft.ttt import TTTObjective
+from specgen.draft.ttt import MASK_SHIFTS, TTTObjective
 from specgen.draft.vocab import (
     TARGET_TOKEN_COUNTS,
     TOKEN_COUNTS,
@@ -125,7 +125,9 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
 
     torch.manual_seed(cfg.runtime.seed)
     draft = build_draft(cfg, data, out_dir if resume else None).to(device)
-    objective = TTTObjective(draft, ttt_length=cfg.train.ttt_length, decay=cfg.train.ttt_decay)
+    mask_shift = _mask_shift(cfg)
+    objective = TTTObjective(draft, ttt_length=cfg.train.ttt_length, decay=cfg.train.ttt_decay,
+                             mask_shift=mask_shift)
     head = TargetHead(data.lm_head.to(device), _mapping_of(draft), chunk_tokens=cfg.capture.lm_head_chunk_tokens)
 
     steps_per_epoch = data.source.batches_per_epoch() // cfg.train.grad_accum
@@ -153,7 +155,8 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
         backend=backend, head=head, source=data.source, out_dir=out_dir, save_draft=save, is_main=is_main,
         settings=LoopSettings(total_steps=total_steps, grad_accum=cfg.train.grad_accum,
                               ttt_decay=cfg.train.ttt_decay, log_every=cfg.train.log_every,
-                              save_every=cfg.train.save_every, autocast_dtype=_autocast_dtype(cfg, device)),
+                              save_every=cfg.train.save_every, autocast_dtype=_autocast_dtype(cfg, device),
+                              mask_shift=mask_shift),
         log_tracker=accelerator.log if cfg.train.tensorboard else None, progress=cfg.runtime.progress,
         vocab_source="checkpoint" if resume or cfg.draft.init else cfg.draft.vocab_source)
     if resume:
@@ -269,8 +272,15 @@ def online_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> Train
                         description=f"online {Path(cfg.data.path).resolve()} ({len(samples)} samples)")
 
 
+LM_HEAD_INITS = ("target", "random")
+
+
 def build_draft(cfg: DictConfig, data: TrainingData, resume_from: Path | None) -> Eagle3Draft:
-    """A fresh draft, or the weights and vocabulary of `draft.init` (fine-tuning) or of the run being resumed."""
+    """A fresh draft, or the weights and vocabulary of `draft.init` (fine-tuning) or of the run being resumed;
+    its LM head frozen when `draft.freeze_lm_head`."""
+    if cfg.draft.init_lm_head not in LM_HEAD_INITS:
+        raise SpecgenError(f"draft.init_lm_head={cfg.draft.init_lm_head!r}; use target (the target's LM head rows "
+                           "of the draft vocabulary) or random")
     start_from = resume_from or cfg.draft.init
     if start_from is not None:
         draft = load_draft(start_from, embedding=data.embedding, target_config=data.target_config,
@@ -283,17 +293,27 @@ def build_draft(cfg: DictConfig, data: TrainingData, resume_from: Path | None) -
         if draft.config.target_hidden_size != data.target_config.get_text_config().hidden_size:
             raise SpecgenError(f"the draft at {start_from} reads target hidden states of size "
                                f"{draft.config.target_hidden_size}, not the target's; it was trained for another target")
-        return draft
+    else:
+        draft = _fresh_draft(cfg, data)
+    draft.lm_head.weight.requires_grad_(not cfg.draft.freeze_lm_head)
+    return draft
+
+
+def _fresh_draft(cfg: DictConfig, data: TrainingData) -> Eagle3Draft:
+    """A new draft: vocabulary from the token counts, Llama initialisation, LM head per draft.init_lm_head."""
     vocab_size = data.target_config.get_text_config().vocab_size
     mapping = build_vocab_mapping(vocab_counts(cfg, data), vocab_size, cfg.draft.vocab_size,
                                   counted={"target": "the target's top tokens at trainable positions"}.get(
                                       cfg.draft.vocab_source, "the trained tokens"))
     config = draft_config(data.target_config, aux_layers=data.aux_layers,
-                          draft_vocab_size=mapping.draft_vocab_size, overrides=to_container(cfg.draft.overrides))
+                          draft_vocab_size=mapping.draft_vocab_size, overrides=to_container(cfg.draft.overrides),
+                          norm_before_residual=cfg.draft.norm_before_residual)
     draft = Eagle3Draft(config)
     draft.d2t.copy_(mapping.d2t)
     draft.t2d.copy_(mapping.t2d)
     set_embedding(draft, data.embedding)
+    if cfg.draft.init_lm_head == "target":
+        draft.init_lm_head_from_target(data.lm_head)
     return draft
 
 
@@ -341,6 +361,13 @@ def make_backend(cfg: DictConfig, objective: TTTObjective, optimizer, scheduler,
                        "distributed=zero2")
 
 
+def _mask_shift(cfg: DictConfig) -> int:
+    if cfg.train.loss_mask not in MASK_SHIFTS:
+        raise SpecgenError(f"train.loss_mask={cfg.train.loss_mask!r}; use predicted (score a step where the token "
+                           "it predicts is trained) or input (where its input token is trained, as speculators)")
+    return MASK_SHIFTS[cfg.train.loss_mask]
+
+
 def _autocast_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype | None:
     precision = cfg.train.precision
     if precision not in ("auto", "fp32", "bf16"):
@@ -365,6 +392,8 @@ def _print_summary(out_dir: Path, data: TrainingData, draft: Eagle3Draft, state:
         ("accuracy per TTT step", accuracies or "n/a"),
         ("scored positions", f"{100 * metrics.get('scored', 0):.1f}% of the trainable positions (last logging "
                              "window; the rest have the target's top token outside the draft vocabulary)"),
+        ("simulated acceptance", f"{metrics.get('accept_len_sim', float('nan')):.2f} (chain of "
+                                 f"{sum(k.startswith('acc_') for k in metrics)} drafts, greedy, last logging window)"),
         ("throughput", f"{metrics.get('tokens_per_s', 0):,.0f} tokens/s (last logging window)"),
         ("metrics", str(out_dir / METRICS)),
     ]))

@@ -1,5 +1,6 @@
 """The EAGLE-3 draft: TTT attention masks, training-vs-decoding consistency, published layout and config."""
 
+import json
 import math
 
 import pytest
@@ -155,3 +156,64 @@ def test_to_target_ids_uses_d2t_offsets():
     draft = tiny_draft(draft_vocab=3)
     draft.d2t.copy_(torch.tensor([4, 9, 10]))  # draft 0,1,2 -> target 4, 10, 12
     assert draft.to_target_ids(torch.tensor([0, 1, 2])).tolist() == [4, 10, 12]
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_layer_variants_match_a_written_out_reference(norm_before_residual):
+    """vLLM's llama_eagle3 layer, written out: the residual stream starts at h, or at hidden_norm(h) when
+    norm_before_residual; causal attention over [input_layernorm(e); hidden_norm(h)]; one MLP; final norm."""
+    config = draft_config(tiny_target_config(), aux_layers=[1, 2, 3], draft_vocab_size=20,
+                          norm_before_residual=norm_before_residual)
+    assert config.norm_before_residual is norm_before_residual
+    draft = tiny_draft()
+    draft.midlayer.norm_before_residual = norm_before_residual  # same weights, the chosen variant
+    layer, eps, seq_len = draft.midlayer, config.rms_norm_eps, 6
+    torch.manual_seed(3)
+    tokens, hidden = torch.randint(0, 50, (1, seq_len)), torch.randn(1, seq_len, 32) * 3
+    positions = torch.arange(seq_len)[None]
+    with torch.no_grad():
+        got = draft(tokens, hidden, positions, DraftKV(), extend_base=True)
+
+        embeds = _rms(draft.embed_tokens(tokens), layer.input_layernorm.weight, eps)
+        normed = _rms(hidden, layer.hidden_norm.weight, eps)
+        x = torch.cat([embeds, normed], dim=-1)
+        attn = layer.self_attn
+        q = (x @ attn.q_proj.weight.T).view(1, seq_len, 4, 8).transpose(1, 2)
+        k = (x @ attn.k_proj.weight.T).view(1, seq_len, 2, 8).transpose(1, 2)
+        v = (x @ attn.v_proj.weight.T).view(1, seq_len, 2, 8).transpose(1, 2)
+        cos, sin = draft.rotary_emb(hidden, positions)
+        q, k = transformers.models.llama.modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                               is_causal=True)
+        residual = (normed if norm_before_residual else hidden) + out.transpose(1, 2).reshape(1, seq_len, 32) \
+            @ attn.o_proj.weight.T
+        mlp = layer.mlp
+        post = _rms(residual, layer.post_attention_layernorm.weight, eps)
+        expected = residual + (torch.nn.functional.silu(post @ mlp.gate_proj.weight.T) * (post @ mlp.up_proj.weight.T)) \
+            @ mlp.down_proj.weight.T
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_norm_before_residual_is_carried_by_the_checkpoint(tmp_path):
+    from specgen.draft.checkpoint import load_draft, save_draft
+
+    draft = Eagle3Draft(draft_config(tiny_target_config(), aux_layers=[1, 2, 3], draft_vocab_size=20,
+                                     norm_before_residual=True))
+    save_draft(draft, tmp_path, {})
+    assert json.loads((tmp_path / "config.json").read_text())["norm_before_residual"] is True
+    assert load_draft(tmp_path).midlayer.norm_before_residual is True
+    plain = Eagle3Draft(draft_config(tiny_target_config(), aux_layers=[1, 2, 3], draft_vocab_size=20))
+    assert plain.midlayer.norm_before_residual is False
+
+
+def test_lm_head_from_the_target_copies_the_draft_vocabulary_rows():
+    draft = tiny_draft(draft_vocab=5)
+    draft_to_target = torch.tensor([3, 7, 8, 20, 49])
+    draft.d2t.copy_(draft_to_target - torch.arange(5))
+    target_head = torch.randn(50, 32)
+    draft.init_lm_head_from_target(target_head)
+    assert torch.equal(draft.lm_head.weight, target_head[draft_to_target])

@@ -31,6 +31,10 @@ def test_predicted_token_mask_shifts_with_the_tokens():
     assert predicted_token_mask(mask, 2).long().tolist() == [[1, 0, 1, 0, 0, 0, 0]]
     # The target distribution at position t is over x[t+1]: needed where x[t+1] is a reply token.
     assert target_positions_needed(mask).long().tolist() == [[0, 1, 1, 1, 0, 1, 0]]
+    # speculators' convention (mask_shift=1): scored where the step's input token x[i+1+j] is a reply token.
+    assert predicted_token_mask(mask, 0, mask_shift=1).long().tolist() == [[0, 1, 1, 1, 0, 1, 0]]
+    assert predicted_token_mask(mask, 1, mask_shift=1).long().tolist() == [[1, 1, 1, 0, 1, 0, 0]]
+    assert target_positions_needed(mask, mask_shift=1).long().tolist() == [LOSS_MASK]
 
 
 def test_loss_reads_targets_only_where_the_predicted_token_is_trained():
@@ -51,7 +55,8 @@ def test_loss_reads_targets_only_where_the_predicted_token_is_trained():
     assert out.stats[:, 3].tolist() == [4, 3, 2]
 
 
-def test_loss_and_accuracy_match_a_position_by_position_reference():
+@pytest.mark.parametrize("mask_shift", [2, 1])
+def test_loss_and_accuracy_match_a_position_by_position_reference(mask_shift):
     torch.manual_seed(0)
     draft = tiny_draft(draft_vocab=20)
     target_vocab, steps, decay = 50, 3, 0.8
@@ -63,30 +68,42 @@ def test_loss_and_accuracy_match_a_position_by_position_reference():
              "aux_hidden_states": torch.randn(n, 96), "last_hidden_state": torch.randn(n, 32)}
             for n, mask in [(7, LOSS_MASK), (5, [0, 1, 1, 1, 1])]]
     batch = collate(rows)
-    target = head.distribution(batch.last_hidden_state, target_positions_needed(batch.loss_mask))
+    target = head.distribution(batch.last_hidden_state, target_positions_needed(batch.loss_mask, mask_shift))
     out = ttt_forward(draft, batch.input_ids, batch.loss_mask, batch.aux_hidden_states, target,
-                      ttt_length=steps, decay=decay)
+                      ttt_length=steps, decay=decay, mask_shift=mask_shift)
 
-    sums = torch.zeros(steps, 4, dtype=torch.float64)
+    sums = torch.zeros(steps, 5, dtype=torch.float64)
     with torch.no_grad():
         for row in rows:  # each sample alone: padding must not matter
             n, ids, mask = len(row["input_ids"]), row["input_ids"], row["loss_mask"]
             outputs = unroll(draft, ids[None], row["aux_hidden_states"][None], steps)
+            alive = [True] * n  # index i's chain: every step so far scored and right
             for step in range(steps):
-                for i in range(n - 2 - step):
-                    if not mask[i + 2 + step]:
+                for i in range(n):
+                    scored = i < n - 1 - step and i + mask_shift + step < n and bool(mask[i + mask_shift + step])
+                    if not scored:
+                        alive[i] = False
                         continue
                     target_logits = head.weight @ row["last_hidden_state"][i + 1 + step]
                     p = torch.softmax(target_logits[mapping.draft_to_target], dim=-1)
                     log_q = F.log_softmax(draft.logits(outputs[step][0, i]), dim=-1)
                     in_vocab = bool(mapping.t2d[target_logits.argmax()])
-                    sums[step] += torch.tensor([float(-(p * log_q).sum()) if in_vocab else 0.0, in_vocab,
-                                                int(mapping.draft_to_target[log_q.argmax()] == target_logits.argmax()),
-                                                1.0], dtype=torch.float64)
+                    right = int(mapping.draft_to_target[log_q.argmax()] == target_logits.argmax())
+                    alive[i] = alive[i] and bool(right)
+                    sums[step, :4] += torch.tensor([float(-(p * log_q).sum()) if in_vocab else 0.0, in_vocab,
+                                                    right, 1.0], dtype=torch.float64)
+                sums[step, 4] += sum(alive)
     torch.testing.assert_close(out.stats, sums, rtol=1e-4, atol=1e-4)
     expected_loss = sum(decay ** j * sums[j, 0] / max(sums[j, 1], 1) for j in range(steps))
     assert out.loss.item() == pytest.approx(float(expected_loss), rel=1e-4)
     metrics = step_metrics(out.stats, decay)
     assert metrics["loss"] == pytest.approx(out.loss.item(), rel=1e-4)
     assert metrics["acc_0"] == pytest.approx(float(sums[0, 2] / sums[0, 3]))
+    chains = [float(sums[0, 3])] + sums[:, 4].tolist()
+    assert metrics["accept_len_sim"] == pytest.approx(1 + sum(chains[1:]) / chains[0])
+    for step in range(steps):
+        assert metrics[f"cacc_{step}"] == pytest.approx(chains[step + 1] / max(chains[step], 1))
+    # The same figure from the conditional accuracies: 1 + sum_k prod_{j<=k} cacc_j.
+    assert metrics["accept_len_sim"] == pytest.approx(
+        1 + sum(math.prod(metrics[f"cacc_{j}"] for j in range(k + 1)) for k in range(steps)))
     assert not math.isnan(metrics["loss_2"])

@@ -189,3 +189,26 @@ def test_a_second_job_on_a_checkpoint_directory_is_refused(shards, tmp_path):
         with pytest.raises(LeaseHeld, match=f"output.dir {ckpt} is in use by train"):
             train([f"data.shards={shards}", f"output.dir={ckpt}", "train.max_steps=1", "output.overwrite=true"])
     assert not (ckpt / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_lm_head_starts_as_the_targets_rows_and_stays_when_frozen(shards, target, tmp_path, frozen):
+    ckpt = tmp_path / "ckpt"
+    train([f"data.shards={shards}", f"output.dir={ckpt}", "train.max_steps=2", "draft.init_lm_head=target",
+           f"draft.freeze_lm_head={str(frozen).lower()}"])
+    weights = load_file(ckpt / "model.safetensors")
+    target_head = transformers.AutoModelForCausalLM.from_pretrained(target).lm_head.weight.detach()
+    rows = target_head[torch.arange(len(weights["d2t"])) + weights["d2t"]]
+    assert torch.equal(weights["lm_head.weight"], rows) is frozen  # trained heads move off the target's rows
+    assert torch.allclose(weights["lm_head.weight"], rows, atol=0.05)  # ... but start there
+
+
+def test_norm_before_residual_and_loss_mask_options_reach_the_checkpoint_and_metrics(shards, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    train([f"data.shards={shards}", f"output.dir={ckpt}", "train.max_steps=2", "draft.norm_before_residual=true",
+           "train.loss_mask=input"])
+    assert json.loads((ckpt / "config.json").read_text())["norm_before_residual"] is True
+    line = metrics(ckpt)[-1]
+    assert 1 <= line["accept_len_sim"] <= 4 and 0 <= line["cacc_2"] <= 1
+    with pytest.raises(SpecgenError, match="train.loss_mask"):  # the schema names the key
+        train([f"data.shards={shards}", f"output.dir={tmp_path / 'x'}", "train.loss_mask=output"])

@@ -35,8 +35,8 @@ def trained(tmp_path_factory) -> dict:
     generate(compose("generate", ["recipe=demo", "data.max_rows=80", f"output.dir={root / 'shards'}", *QUIET]))
     train(compose("train", ["recipe=demo", f"data.shards={root / 'shards'}", f"output.dir={root / 'draft'}",
                             "train.epochs=4", "train.num_workers=0", "train.tensorboard=false", *QUIET]))
-    report = evaluate(compose("evaluate", ["recipe=demo", f"draft.path={root / 'draft'}", f"eval.num_draft_tokens={K}",
-                                           f"eval.max_prompts={PROMPTS}", f"eval.max_new_tokens={MAX_NEW_TOKENS}",
+    report = evaluate(compose("evaluate", ["recipe=demo", f"draft.path={root / 'draft'}", f"evaluate.num_draft_tokens={K}",
+                                           f"evaluate.max_prompts={PROMPTS}", f"evaluate.max_new_tokens={MAX_NEW_TOKENS}",
                                            f"output.dir={root / 'eval'}", *QUIET]))
     samples = [json.loads(line) for line in (root / "eval" / "samples.jsonl").read_text().splitlines()]
     return {"root": root, "draft": root / "draft", "report": report, "samples": samples, "served": {}}
@@ -93,7 +93,7 @@ def test_vllm_reads_the_ids_as_hidden_states_indices(trained):
         moved = replay(trained, f"shift{offset:+d}", "--target", str(TARGET), "--draft", str(folder))
         report = evaluate(compose("evaluate", [
             "recipe=demo", f"draft.path={folder}", "draft.foreign_aux_ids=hidden_states", f"model.path={TARGET}",
-            f"eval.num_draft_tokens={K}", f"eval.max_prompts={PROMPTS}", f"eval.max_new_tokens={MAX_NEW_TOKENS}",
+            f"evaluate.num_draft_tokens={K}", f"evaluate.max_prompts={PROMPTS}", f"evaluate.max_new_tokens={MAX_NEW_TOKENS}",
             f"output.dir={trained['root'] / f'eval{offset:+d}'}", *QUIET]))
         assert moved["output_token_ids"] == as_written["output_token_ids"]  # still lossless
         assert moved["acceptance_length"] == pytest.approx(report["acceptance_length"], rel=0.02), offset

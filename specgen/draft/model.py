@@ -2,7 +2,8 @@
 
     h      = fc(concat(aux hidden states of the target))        # [.., k*H_target] -> [.., H]
     x      = concat(input_layernorm(embed(token)), hidden_norm(h))   # [.., 2H]: what attention reads
-    r      = h + attn(x)                                         # residual stream starts at h
+    r      = h + attn(x)                                         # residual stream starts at h, or at
+                                                                 # hidden_norm(h) with norm_before_residual
     out    = r + mlp(post_attention_layernorm(r))                # "pre-norm" output, fed to the next step
     logits = lm_head(norm(out))                                  # over the reduced draft vocabulary
 
@@ -10,6 +11,8 @@ This is the layout vLLM's and SGLang's `LlamaForCausalLMEagle3` loaders implemen
 `fc`, `midlayer.{input_layernorm,hidden_norm,self_attn,post_attention_layernorm,mlp}`, `norm`, `lm_head`), so
 a checkpoint saved by `specgen.draft.checkpoint` serves unchanged. The token embedding is the target's and stays
 frozen; `d2t`/`t2d` map between draft and target vocabularies (see `specgen.draft.vocab`).
+`config.norm_before_residual` (default False) is the variant vLLM's `llama_eagle3` and speculators name so: the
+residual stream starts at the normalised hidden state instead of the raw one; it is carried in config.json.
 
 Attention covers two kinds of entries (`DraftKV`):
 * base entries, one per sequence position, made by a step that read the *target's* hidden state there;
@@ -47,14 +50,14 @@ OVERRIDABLE = ("intermediate_size", "num_attention_heads", "num_key_value_heads"
 
 
 def draft_config(target_config: transformers.PretrainedConfig, *, aux_layers: list[int], draft_vocab_size: int,
-                 overrides: dict | None = None) -> transformers.LlamaConfig:
+                 overrides: dict | None = None, norm_before_residual: bool = False) -> transformers.LlamaConfig:
     """The draft's config, derived from the target's (text) config.
 
     `aux_layers` are specgen's 0-based decoder-layer output indices; `eagle_config.eagle_aux_hidden_state_layer_ids`
     holds them as vLLM reads them (`serving_layer_ids`: Hugging Face hidden_states indices, aux + 1), so the
     checkpoint serves in vLLM as trained. `aux_layers_of(config)` gives specgen's indices back.
     `overrides` may change the sizes in `OVERRIDABLE`; the hidden size must stay the target's because the
-    draft shares the target's token embedding.
+    draft shares the target's token embedding. `norm_before_residual` selects the layer variant (module docstring).
     """
     text = target_config.get_text_config()
     fields = {key: getattr(text, key) for key in _INHERITED if getattr(text, key, None) is not None}
@@ -69,6 +72,7 @@ def draft_config(target_config: transformers.PretrainedConfig, *, aux_layers: li
                                       attention_bias=False, mlp_bias=False)
     config.architectures = [ARCHITECTURE]
     config.draft_vocab_size = int(draft_vocab_size)
+    config.norm_before_residual = bool(norm_before_residual)
     config.target_hidden_size = int(text.hidden_size)
     config.eagle_config = {"eagle_aux_hidden_state_layer_ids": serving_layer_ids(aux_layers),
                            "use_aux_hidden_state": True}
@@ -205,11 +209,15 @@ class DraftDecoderLayer(nn.Module):
         self.self_attn = DraftAttention(config)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+        self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv: DraftKV, *, extend_base: bool) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        residual = hidden + self.self_attn(x, cos, sin, kv, extend_base=extend_base)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        # vLLM's llama_eagle3: the residual is taken after hidden_norm (norm_before_residual) or before it.
+        residual = (normed if self.norm_before_residual else hidden) + self.self_attn(x, cos, sin, kv,
+                                                                                      extend_base=extend_base)
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
 
@@ -262,6 +270,12 @@ class Eagle3Draft(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target-vocabulary ids (target = draft + d2t[draft])."""
         return draft_ids + self.d2t[draft_ids]
+
+    def init_lm_head_from_target(self, target_lm_head: torch.Tensor) -> None:
+        """Copy the target's LM head rows of the draft vocabulary (row d = target row d + d2t[d]) into lm_head."""
+        rows = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target_lm_head.to(self.lm_head.weight)[rows])
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]

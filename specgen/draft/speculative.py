@@ -93,7 +93,7 @@ def speculative_generate(target: TargetRunner, draft: Eagle3Draft, prompt_ids: l
                          max_new_tokens: int, eos_ids: set[int]) -> Generation:
     """Greedy speculative decoding with a chain of `num_draft_tokens` draft tokens per round."""
     if num_draft_tokens < 1:
-        raise SpecgenError(f"eval.num_draft_tokens must be at least 1, got {num_draft_tokens}")
+        raise SpecgenError(f"evaluate.num_draft_tokens must be at least 1, got {num_draft_tokens}")
     start = time.perf_counter()
     device = next(draft.parameters()).device
     cache, kv = DynamicCache(), DraftKV()

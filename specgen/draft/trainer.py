@@ -46,6 +46,7 @@ class LoopSettings:
     log_every: int
     save_every: int | None  # None: save at the end only
     autocast_dtype: torch.dtype | None  # bf16 mixed precision on GPU, None for full precision
+    mask_shift: int = 2  # step j at index i is scored where loss_mask[i + mask_shift + j] (specgen.draft.ttt)
 
 
 @dataclass
@@ -160,7 +161,7 @@ class DraftTrainer:
         """One micro-step: target distribution, TTT forward and backward; an optimizer update at a `boundary`
         (the end of a gradient accumulation). Returns the step statistics (see `specgen.draft.ttt`)."""
         batch = batch.to(self.backend.device)
-        target = batch_target(self.head, batch)
+        target = batch_target(self.head, batch, self.settings.mask_shift)
         autocast = (torch.autocast(self.backend.device.type, dtype=self.settings.autocast_dtype)
                     if self.settings.autocast_dtype is not None else nullcontext())
         with autocast:

@@ -8,7 +8,9 @@ Alignment (index i of a sequence x[0..T-1] with target hidden states h and loss 
                          lm_head(last_hidden_state[i+1+j]), i.e. "position t predicts token t+1" with t = i+1+j
     step j at index i is trained only where m[i+2+j] = 1: the token being predicted is one the data trains
 
-The mask therefore shifts together with the tokens, two places for step 0 and one more per step. (Masking with
+The mask therefore shifts together with the tokens, two places for step 0 and one more per step (`mask_shift=2`,
+the default). speculators masks with m[i+1+j] instead (`mask_shift=1`: the step's input token is trained), which
+also trains the prediction of the token after a reply and skips that of a reply's first token. (Masking with
 m[i], as some tools do, trains on predictions of prompt tokens and skips the first two of every reply.)
 Step j at index i sits at position i+j and attends to the base entries 0..i and its own chain (see
 `specgen.draft.model`), exactly like the j-th drafted token after verifying position i.
@@ -16,6 +18,10 @@ Step j at index i sits at position i+j and attends to the base entries 0..i and 
 Per step: loss_j = mean over valid positions of the cross-entropy between the target distribution (restricted to
 the draft vocabulary) and the draft's; positions whose target argmax lies outside the draft vocabulary are left
 out of the loss (no draft token can match there) but count as misses in acc_j. Total loss = sum_j decay^j loss_j.
+
+Simulated acceptance (what a chain of `ttt_length` drafts would get accepted, greedy): at each index scored by
+step 0, the number of leading steps whose argmax equals the target's; accept_len_sim = 1 + its mean. It equals
+1 + sum_k prod_{j<=k} cacc_j with the conditional accuracies cacc_j = P(step j right | steps < j right).
 """
 
 from dataclasses import dataclass
@@ -70,42 +76,49 @@ def shift_left(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def predicted_token_mask(loss_mask: torch.Tensor, step: int) -> torch.Tensor:
-    """[B, T] bool: step `step` at index i predicts token i+2+step, a trained token."""
-    return shift_left(loss_mask, 2 + step).bool()
+# train.loss_mask -> mask_shift: step j at index i is scored where m[i + mask_shift + j] = 1.
+MASK_SHIFTS = {"predicted": 2, "input": 1}
 
 
-def target_positions_needed(loss_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] bool: positions t whose target distribution some step uses (the token t+1 is trained)."""
-    return shift_left(loss_mask, 1).bool()
+def predicted_token_mask(loss_mask: torch.Tensor, step: int, mask_shift: int = 2) -> torch.Tensor:
+    """[B, T] bool: the indices step `step` is scored at; with mask_shift 2 it predicts token i+2+step, a trained
+    token; with 1 its input token i+1+step is trained (speculators' convention)."""
+    return shift_left(loss_mask, mask_shift + step).bool()
+
+
+def target_positions_needed(loss_mask: torch.Tensor, mask_shift: int = 2) -> torch.Tensor:
+    """[B, T] bool: positions t whose target distribution some step uses (t = i+1+j for a scored step j at i)."""
+    return shift_left(loss_mask, mask_shift - 1).bool()
 
 
 # Columns of the per-step statistics: sums, so they can be added over micro-steps and processes before dividing.
-STAT_LOSS_SUM, STAT_VALID, STAT_CORRECT, STAT_PREDICTED = range(4)
+# STAT_CHAIN: indices (scored by step 0) where steps 0..j all matched the target's argmax.
+STAT_LOSS_SUM, STAT_VALID, STAT_CORRECT, STAT_PREDICTED, STAT_CHAIN = range(5)
 
 
 @dataclass
 class TTTOutput:
     loss: torch.Tensor  # what backward() runs on: sum_j decay^j * mean cross-entropy of step j
-    stats: torch.Tensor  # [ttt_length, 4] float64: loss sum, valid positions, correct, predicted (see above)
+    stats: torch.Tensor  # [ttt_length, 5] float64: loss sum, valid positions, correct, predicted, chain (above)
 
 
 def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 aux_hidden_states: torch.Tensor, target: TargetDistribution, *, ttt_length: int,
-                decay: float) -> TTTOutput:
+                decay: float, mask_shift: int = 2) -> TTTOutput:
     """Unroll the draft for `ttt_length` steps over a right-padded batch and score it against the target."""
     seq_len = input_ids.shape[1]
     positions = torch.arange(seq_len, device=input_ids.device).expand(input_ids.shape[0], -1)
     hidden = draft.project(aux_hidden_states)
     kv = DraftKV()
-    losses, stats = [], torch.zeros(ttt_length, 4, dtype=torch.float64, device=input_ids.device)
+    losses, stats = [], torch.zeros(ttt_length, 5, dtype=torch.float64, device=input_ids.device)
+    chain = predicted_token_mask(loss_mask, 0, mask_shift)  # indices whose chain is still all right
     for step in range(ttt_length):
         scored = seq_len - 1 - step  # indices whose target position i+1+step lies inside the sequence
         if scored <= 0:
             break
         hidden = draft(shift_left(input_ids, 1 + step), hidden, positions + step, kv, extend_base=step == 0)
         # Only positions whose predicted token is trained are scored (and only they need the LM head).
-        predicted = predicted_token_mask(loss_mask, step)[:, :scored]
+        predicted = predicted_token_mask(loss_mask, step, mask_shift)[:, :scored]
         log_probs = F.log_softmax(draft.logits(hidden[:, :scored][predicted]).float(), dim=-1)  # [N, Vd]
         target_argmax = target.argmax[:, 1 + step:][predicted]
         in_vocab = draft.t2d[target_argmax.clamp(min=0)]
@@ -114,16 +127,20 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Te
         valid = in_vocab.sum()
         losses.append(loss_sum / valid.clamp(min=1) * decay ** step)
         with torch.no_grad():
-            correct = (draft.to_target_ids(log_probs.argmax(-1)) == target_argmax).sum()
-            stats[step] = torch.stack([loss_sum.detach().double(), valid.double(), correct.double(),
-                                       predicted.sum().double()])
+            hits = draft.to_target_ids(log_probs.argmax(-1)) == target_argmax
+            right = torch.zeros_like(chain)
+            right[:, :scored][predicted] = hits
+            chain &= right
+            stats[step] = torch.stack([loss_sum.detach().double(), valid.double(), hits.sum().double(),
+                                       predicted.sum().double(), chain.sum().double()])
     # A batch of 1-token samples scores nothing; its zero loss still touches the weights so backward() works.
     loss = torch.stack(losses).sum() if losses else draft.fc.weight.sum() * 0
     return TTTOutput(loss=loss, stats=stats)
 
 
 def step_metrics(stats: torch.Tensor, decay: float) -> dict[str, float]:
-    """loss, loss_j, acc_j (draft argmax == target argmax), and `scored`: the share of step 0's trainable
+    """loss, loss_j, acc_j, cacc_j and accept_len_sim from summed statistics (accuracy: draft argmax == target
+    argmax; cacc_j and accept_len_sim: see the module docstring), and `scored`: the share of step 0's trainable
     positions whose target top token lies in the draft vocabulary (the others add nothing to the loss)."""
     stats = stats.double().cpu()
     metrics: dict[str, float] = {}
@@ -135,6 +152,10 @@ def step_metrics(stats: torch.Tensor, decay: float) -> dict[str, float]:
     # Share of the trainable positions actually scored: the target's top token is inside the draft vocabulary.
     metrics["trainable_positions"] = int(stats[0, STAT_PREDICTED])
     metrics["scored"] = float(stats[0, STAT_VALID] / stats[0, STAT_PREDICTED].clamp(min=1))
+    chains = torch.cat([stats[:1, STAT_PREDICTED], stats[:, STAT_CHAIN]])  # chain of length 0 is always right
+    metrics.update({f"cacc_{step}": float(chains[step + 1] / chains[step].clamp(min=1))
+                    for step in range(len(stats))})
+    metrics["accept_len_sim"] = float(1 + stats[:, STAT_CHAIN].sum() / chains[0].clamp(min=1))
     return metrics
 
 
@@ -144,20 +165,21 @@ class TTTObjective(nn.Module):
     forward(input_ids, loss_mask, aux_hidden_states, target_probs, target_argmax) -> (loss, stats).
     """
 
-    def __init__(self, draft: Eagle3Draft, *, ttt_length: int, decay: float):
+    def __init__(self, draft: Eagle3Draft, *, ttt_length: int, decay: float, mask_shift: int = 2):
         super().__init__()
         self.draft = draft
         self.ttt_length = ttt_length
         self.decay = decay
+        self.mask_shift = mask_shift
 
     def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: torch.Tensor,
                 target_probs: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = ttt_forward(self.draft, input_ids, loss_mask, aux_hidden_states,
                           TargetDistribution(target_probs, target_argmax), ttt_length=self.ttt_length,
-                          decay=self.decay)
+                          decay=self.decay, mask_shift=self.mask_shift)
         return out.loss, out.stats
 
 
-def batch_target(head: TargetHead, batch: DraftBatch) -> TargetDistribution:
-    """The target distributions one batch needs (positions whose next token is trained)."""
-    return head.distribution(batch.last_hidden_state, target_positions_needed(batch.loss_mask))
+def batch_target(head: TargetHead, batch: DraftBatch, mask_shift: int = 2) -> TargetDistribution:
+    """The target distributions one batch needs (the positions scored steps read, see target_positions_needed)."""
+    return head.distribution(batch.last_hidden_state, target_positions_needed(batch.loss_mask, mask_shift))

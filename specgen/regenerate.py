@@ -255,6 +255,9 @@ def run(cfg: DictConfig) -> dict | None:
 
     wait_for_parts(out_dir, units)
     manifest = finish(cfg, out_dir, units, model, identity)
+    manifest["last_run"] = {"new_tokens": new_tokens, "seconds": seconds, "engine": cfg.engine.name,
+                            "new_tokens_per_second": new_tokens / max(seconds, 1e-9)}
+    write_manifest(out_dir, manifest)
     print_summary(manifest, out_dir, new_tokens, rows, seconds)
     return manifest
 

@@ -136,8 +136,14 @@ class VllmCapture(TargetCapture):
 
     @property
     def vllm_layer_ids(self) -> list[int]:
-        """The vLLM ids to capture: k + 1 for each aux layer k, then L (the pre-norm input of the final norm)."""
-        return [layer + 1 for layer in self.aux_layers] + [self.num_layers]
+        """The vLLM ids to capture: k + 1 for each aux layer k and L (the pre-norm input of the final norm), once
+        each and ascending: the model appends them in layer order as its forward passes them."""
+        return sorted({layer + 1 for layer in self.aux_layers} | {self.num_layers})
+
+    def _slots(self) -> tuple[list[int], int]:
+        """Where each aux layer (in the requested order) and the pre-norm last state sit among `vllm_layer_ids`."""
+        ids = self.vllm_layer_ids
+        return [ids.index(layer + 1) for layer in self.aux_layers], ids.index(self.num_layers)
 
     @property
     def device(self) -> torch.device:
@@ -157,13 +163,16 @@ class VllmCapture(TargetCapture):
         aux = torch.zeros(batch, width, len(self.aux_layers) * hidden, dtype=self.dtype)
         last = torch.zeros(batch, width, hidden, dtype=self.dtype)
         token_logprobs = torch.full((batch, width), float("nan")) if self.token_logprobs else None
+        aux_slots, last_slot = self._slots()
         for b, (row, state) in enumerate(zip(rows, states)):
             n = len(row)
-            aux[b, :n] = state[:, :-1].reshape(n, -1)
-            last[b, :n] = self.norm(state[:, -1])
+            aux[b, :n] = state[:, aux_slots].reshape(n, -1)
+            last[b, :n] = self.norm(state[:, last_slot])
             if token_logprobs is not None:
                 token_logprobs[b, :n - 1] = logprobs[b]
-        return CaptureOutput(aux_hidden_states=aux, last_hidden_state=last, token_logprobs=token_logprobs)
+        device = input_ids.device  # like every backend: the outputs live where the batch does
+        return CaptureOutput(aux_hidden_states=aux.to(device), last_hidden_state=last.to(device),
+                             token_logprobs=None if token_logprobs is None else token_logprobs.to(device))
 
     def _take_states(self, keys: list[str]) -> dict[str, Any]:
         return _take(self.llm, keys)
@@ -172,7 +181,7 @@ class VllmCapture(TargetCapture):
         raise NotImplementedError
 
     def capture_rows(self, rows: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """Run the rows through vLLM; per row its states [T, k + 1, H] (vLLM ids `vllm_layer_ids`, in that order)
+        """Run the rows through vLLM; per row its states [T, len(vllm_layer_ids), H] (in `vllm_layer_ids` order)
         and, with token_logprobs, log p(x[t + 1] | x[<= t]) for t < T - 1 (float32)."""
         from vllm import SamplingParams
 
@@ -232,10 +241,30 @@ def engine_kwargs(engine: dict) -> dict:
     return {**kwargs, **(engine.get("extra") or {})}
 
 
-def start_engine(path: str, dtype: torch.dtype, layer_ids: list[int], engine: dict, max_model_len: int, seed: int):
-    """One vLLM engine with `extract_hidden_states` capturing `layer_ids` and specgen's connector."""
+def prepare_environment(engine: dict) -> None:
+    """Before vLLM starts: its CPU KV-cache size, and under `accelerate launch` on GPUs this process's own GPUs.
+
+    Every process of a multi-process job runs one engine; process with local rank r takes GPUs
+    [r * n, (r + 1) * n) (n = tensor x pipeline parallel size) through CUDA_VISIBLE_DEVICES, which vLLM's engine and
+    worker processes inherit (so keep vLLM's default multiprocessing). Not yet run on GPUs."""
     if engine.get("cpu_kvcache_space_gb") is not None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine["cpu_kvcache_space_gb"]))
+    local_rank, world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if world > 1 and torch.cuda.is_available():
+        per_engine = int(engine.get("tensor_parallel_size") or 1) * int(engine.get("pipeline_parallel_size") or 1)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        mine = gpus[local_rank * per_engine:(local_rank + 1) * per_engine]
+        if len(mine) < per_engine:
+            raise SpecgenError(f"{world} processes x {per_engine} GPUs per vLLM engine need {world * per_engine} GPUs "
+                               f"on this machine, found {len(gpus)}; launch fewer processes or lower "
+                               "engine.tensor_parallel_size")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+
+
+def start_engine(path: str, dtype: torch.dtype, layer_ids: list[int], engine: dict, max_model_len: int, seed: int):
+    """One vLLM engine with `extract_hidden_states` capturing `layer_ids` and specgen's connector."""
+    prepare_environment(engine)
     from vllm import LLM
 
     log.info("starting vLLM on %s (capturing vLLM layer ids %s)", path, layer_ids)

@@ -22,15 +22,12 @@ class VllmGenerator:
 
     def __init__(self, path: str | Path, model, tokenizer, sampling: Sampling, *, engine: dict, max_model_len: int,
                  seed: int = 0):
-        from specgen.capture.vllm import engine_kwargs, require_vllm
+        from specgen.capture.vllm import engine_kwargs, prepare_environment, require_vllm
 
         require_vllm()
+        prepare_environment(engine)
         from vllm import LLM
 
-        if engine.get("cpu_kvcache_space_gb") is not None:
-            import os
-
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine["cpu_kvcache_space_gb"]))
         self.sampling = sampling
         self.stop_token_ids = stop_token_ids(model, tokenizer)
         self.llm = LLM(model=str(path), dtype=str(model.dtype).removeprefix("torch."), max_model_len=max_model_len,

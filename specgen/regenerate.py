@@ -76,7 +76,8 @@ def load_model(cfg: DictConfig, device: torch.device):
         require_vllm()
         return meta_target(cfg.model.path, cfg.model.dtype)
     if cfg.engine.name != "hf":
-        raise SpecgenError(f"engine={cfg.engine.name} does not regenerate; use engine=hf (the default) or engine=vllm")
+        raise SpecgenError(f"engine={cfg.engine.name} does not regenerate; use engine=hf (the default) or "
+                           "engine=vllm")
     return load_target(cfg.model.path, dtype=cfg.model.dtype, device=str(device),
                        attn_implementation=cfg.model.attn_implementation)
 
@@ -110,7 +111,8 @@ def generation_settings(cfg: DictConfig, regenerator: ConversationRegenerator) -
             "turns": regenerator.policy.turns, "on_truncated": regenerator.policy.on_truncated,
             "on_empty": regenerator.policy.on_empty, "max_prompt_tokens": regenerator.max_prompt_tokens,
             "stop_token_ids": regenerator.generator.stop_token_ids, "split_reasoning": regenerator.split_reasoning,
-            "backend": getattr(regenerator.generator, "backend", "transformers generate: left-padded batches, KV cache")}
+            "backend": getattr(regenerator.generator, "backend",
+                               "transformers generate: left-padded batches, KV cache")}
 
 
 def dataset_identity(cfg: DictConfig, model_config_hash: str, template_sha: str, generation: dict) -> dict:
@@ -158,7 +160,8 @@ def sum_stats(sidecars: list[dict]) -> dict:
     return totals
 
 
-def finish(cfg: DictConfig, out_dir: Path, units: list[int], model, identity: dict) -> dict:
+def finish(cfg: DictConfig, out_dir: Path, units: list[int], model, identity: dict,
+           last_run: dict | None = None) -> dict:
     """Main process: gather every part's sidecar into rejected.jsonl and the manifest (written last)."""
     sidecars = [read_sidecar(out_dir, unit) for unit in units]
     rejected = out_dir / REJECTED
@@ -174,6 +177,7 @@ def finish(cfg: DictConfig, out_dir: Path, units: list[int], model, identity: di
         "generation": identity["generation"],
         "stats": sum_stats(sidecars),
         "config": to_container(cfg),
+        "last_run": last_run,  # this process's new tokens and seconds (after the model loaded), and the engine
     }
     write_manifest(out_dir, manifest)
     return manifest
@@ -254,10 +258,9 @@ def run(cfg: DictConfig) -> dict | None:
         return None
 
     wait_for_parts(out_dir, units)
-    manifest = finish(cfg, out_dir, units, model, identity)
-    manifest["last_run"] = {"new_tokens": new_tokens, "seconds": seconds, "engine": cfg.engine.name,
-                            "new_tokens_per_second": new_tokens / max(seconds, 1e-9)}
-    write_manifest(out_dir, manifest)
+    manifest = finish(cfg, out_dir, units, model, identity,
+                      last_run={"new_tokens": new_tokens, "seconds": seconds, "engine": cfg.engine.name,
+                                "new_tokens_per_second": new_tokens / max(seconds, 1e-9)})
     print_summary(manifest, out_dir, new_tokens, rows, seconds)
     return manifest
 

@@ -7,8 +7,9 @@ request's slots before its blocks are freed. vLLM's `ExampleHiddenStatesConnecto
 per request (and on a CPU build fails: pinned memory without an accelerator, `event.query()` on the CPU event
 placeholder). This subclass keeps its scheduler side (which blocks to read, and delaying their release) and replaces
 its worker side: the states of a finished request are copied to host memory in the worker process and kept there,
-keyed by the request's `kv_transfer_params["specgen_key"]`, until `take_states` (called through `LLM.collective_rpc` by `SpecgenWorkerExtension`, so it
-works with the engine in another process and with tensor parallelism: TP rank 0 holds them) hands them over.
+keyed by the request's `kv_transfer_params["specgen_key"]`, until `SpecgenWorkerExtension.specgen_take_states`
+(called through `LLM.collective_rpc`, so it works with the engine in another process and with tensor parallelism:
+TP rank 0 holds them) hands them over.
 
 This module imports vLLM; `specgen.capture.vllm` names it by path only, so the default install never imports it.
 """
@@ -30,7 +31,8 @@ _CAPTURED: dict[str, torch.Tensor] = {}
 def pack(tensor: torch.Tensor) -> tuple[bytes, str, list[int]]:
     """A host tensor as (raw bytes, dtype name, shape): exact for every dtype, bfloat16 included."""
     tensor = tensor.contiguous()
-    return tensor.view(-1).view(torch.uint8).numpy().tobytes(), str(tensor.dtype).removeprefix("torch."), list(tensor.shape)
+    raw = tensor.view(-1).view(torch.uint8).numpy().tobytes()
+    return raw, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)
 
 
 def unpack(packed: tuple[bytes, str, list[int]]) -> torch.Tensor:

@@ -45,10 +45,13 @@ def _hydra_argv(argv: list[str], stage: str) -> list[str]:
 
 
 def _check_override_key(arg: str) -> None:
-    """`key=value` on the command line must name a key of the schema (or lie inside a free-form dict key)."""
+    """`key=value` on the command line must name a key of the schema, a config group, or lie inside a free-form
+    dict key."""
     if "=" not in arg or arg.startswith(("-", "hydra.", "+hydra.", "recipe=")):
         return
     key = arg.split("=", 1)[0].lstrip("+~")
+    if (CONF_DIR / key).is_dir() and key != "recipes":  # a group choice: engine=vllm, distributed=zero2, ...
+        return
     if key in KEYS or any(key.startswith(f"{name}.") and spec.kind == "dict" for name, spec in KEYS.items()):
         return
     raise SpecgenError(f"unknown config key {key}{closest_key(key)}; see README 'Configuration keys'")

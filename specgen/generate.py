@@ -72,13 +72,18 @@ class Target:
 
 
 def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
+    if cfg.engine.name == "vllm":  # a vLLM engine computes the states (specgen.capture.vllm); imported lazily
+        from specgen.capture.vllm import load_vllm_capture
+
+        return target_for(cfg, tokenizer, load_vllm_capture(cfg), prefix_reuse=False)
     if cfg.engine.name == "deepspeed":
         model, zero3_config, keepalive = load_zero3_target(to_container(cfg.model), to_container(cfg.engine), device)
     elif cfg.engine.name == "hf":
         model = load_target(cfg.model.path, dtype=cfg.model.dtype, device=str(device),
                             attn_implementation=cfg.model.attn_implementation)
     else:
-        raise SpecgenError(f"engine={cfg.engine.name} is unknown; use engine=hf (the default) or engine=deepspeed")
+        raise SpecgenError(f"engine={cfg.engine.name} is unknown; use engine=hf (the default), engine=deepspeed "
+                           "or engine=vllm")
     num_layers = model.config.get_text_config().num_hidden_layers
     requested = cfg.capture.aux_layers
     aux_layers = (default_aux_layers(num_layers) if requested is None
@@ -86,19 +91,22 @@ def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
     capture = make_capture(model, aux_layers)
     if cfg.engine.name == "deepspeed":
         capture = ZeroCapture(capture, zero3_config, keepalive)
-    dtype = str(capture.dtype).removeprefix("torch.")
-    outputs = SampleOutputs.from_config(cfg, capture)
-    spec = ShardSpec(hidden_size=capture.hidden_size, num_aux=len(aux_layers), dtype=dtype,
-                     store_prefix_once=bool(cfg.output.store_prefix_once), **outputs.spec_fields())
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if cfg.capture.prefix_reuse and not capture.supports_kv:
         log.warning("capture.prefix_reuse=true, but the %s capture backend with attn_implementation=%s cannot "
                     "continue from a KV cache: every row is computed in full (prefix reuse needs a Llama-family "
                     "model with model.attn_implementation=sdpa or eager)", capture.backend,
                     model.config._attn_implementation)
+    return target_for(cfg, tokenizer, capture, prefix_reuse=bool(cfg.capture.prefix_reuse) and capture.supports_kv)
+
+
+def target_for(cfg: DictConfig, tokenizer, capture: TargetCapture, prefix_reuse: bool) -> Target:
+    dtype = str(capture.dtype).removeprefix("torch.")
+    outputs = SampleOutputs.from_config(cfg, capture)
+    spec = ShardSpec(hidden_size=capture.hidden_size, num_aux=len(capture.aux_layers), dtype=dtype,
+                     store_prefix_once=bool(cfg.output.store_prefix_once), **outputs.spec_fields())
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return Target(capture=capture, spec=spec, pad_id=pad_id, outputs=outputs,
-                  sample_filter=SampleFilter.from_config(cfg),
-                  prefix_reuse=bool(cfg.capture.prefix_reuse) and capture.supports_kv)
+                  sample_filter=SampleFilter.from_config(cfg), prefix_reuse=prefix_reuse)
 
 
 def count_top_tokens(counts: torch.Tensor | None, target: Target, last_hidden_state: torch.Tensor,
@@ -235,12 +243,14 @@ def capture_units(cfg: DictConfig, units: Iterable[PreparedUnit], target: Target
         writer.begin(unit.index)
         top_counts = (torch.zeros(target.capture.lm_head.weight.shape[0], dtype=torch.long, device=device)
                       if counts_top_tokens(cfg, target) else None)
+        cached_before = getattr(target.capture, "tokens_cached", 0)  # engine=vllm: tokens its prefix cache held
         for rows, padded, ready in unit_batches(cfg, unit, target, plan, device, top_counts):
             rows, rejections = target.sample_filter.apply(rows, stats)
             unit.rejected.extend(rejections)
             writer.write(encoder.encode(rows) if encoder else rows, ready)
             stats["padded_tokens"] += padded
             monitor.check()
+        stats["tokens_computed"] -= getattr(target.capture, "tokens_cached", 0) - cached_before
         stats["tokens_stored"] = encoder.tokens_stored if encoder else stats["tokens"]
         stats["rejected"] = dict(Counter(r["reason"] for r in unit.rejected))
         if lease is not None:
@@ -256,8 +266,10 @@ def capture_units(cfg: DictConfig, units: Iterable[PreparedUnit], target: Target
 
 
 def counts_top_tokens(cfg: DictConfig, target: Target) -> bool:
-    """capture.count_target_tokens, where the LM head is whole on this process (not under ZeRO-3)."""
-    return bool(cfg.capture.count_target_tokens) and not isinstance(target.capture, ZeroCapture)
+    """capture.count_target_tokens, where the LM head is whole on this process (not under ZeRO-3, not inside a vLLM
+    engine, whose weights this process does not hold)."""
+    return (bool(cfg.capture.count_target_tokens) and not isinstance(target.capture, ZeroCapture)
+            and not target.capture.lm_head.weight.is_meta)
 
 
 def target_token_counts(out_dir: Path, shards: list[str]) -> dict[int, int] | None:
@@ -334,7 +346,8 @@ def build_manifest(cfg: DictConfig, out_dir: Path, target: Target, tokenizer, id
 
 def prefix_reuse_report(cfg: DictConfig, target: Target, stats: dict) -> dict:
     """Tokens run through the target against tokens emitted, bytes stored against a flat layout's."""
-    return {"enabled": target.prefix_reuse, "min_tokens": cfg.capture.prefix_min_tokens,
+    return {"enabled": target.prefix_reuse or bool(getattr(target.capture, "prefix_caching", False)),
+            "min_tokens": cfg.capture.prefix_min_tokens,
             "store_prefix_once": target.spec.store_prefix_once,
             "tokens_computed": stats.get("tokens_computed", 0), "tokens_emitted": stats.get("tokens_emitted", 0),
             "bytes_stored": stats["bytes_on_disk"],
@@ -435,6 +448,10 @@ def generate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease) -> di
     target = load_capture(cfg, tokenizer, device)
     identity = dataset_identity(cfg, config_hash(target.capture.model), chat_template_sha256(tokenizer))
     done = claim_for_job(cfg, out_dir, identity, workers)
+    if cfg.capture.count_target_tokens and not counts_top_tokens(cfg, target):
+        log.warning("capture.count_target_tokens: the target's LM head is not whole in this process (engine=%s), so "
+                    "target_token_counts.json is not written; draft.vocab_source=target needs engine=hf",
+                    cfg.engine.name)
 
     source = capped_source(cfg.data.path, cfg.data.max_rows)
     records = source.records

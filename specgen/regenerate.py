@@ -67,12 +67,35 @@ def template_kwargs(cfg: DictConfig, tokenizer) -> dict:
     return {**kwargs, "enable_thinking": thinking}
 
 
+def load_model(cfg: DictConfig, device: torch.device):
+    """The target: loaded with transformers (engine=hf), or its class on the meta device for engine=vllm, whose
+    engine loads the weights (`specgen.regen.vllm`)."""
+    if cfg.engine.name == "vllm":
+        from specgen.capture.vllm import meta_target, require_vllm
+
+        require_vllm()
+        return meta_target(cfg.model.path, cfg.model.dtype)
+    if cfg.engine.name != "hf":
+        raise SpecgenError(f"engine={cfg.engine.name} does not regenerate; use engine=hf (the default) or "
+                           "engine=vllm")
+    return load_target(cfg.model.path, dtype=cfg.model.dtype, device=str(device),
+                       attn_implementation=cfg.model.attn_implementation)
+
+
 def build_regenerator(cfg: DictConfig, tokenizer, model) -> ConversationRegenerator:
     settings = cfg.regenerate
     sampling = Sampling(temperature=float(settings.temperature), top_p=float(settings.top_p),
                         top_k=int(settings.top_k), max_new_tokens=int(settings.max_new_tokens))
-    generator = Generator(model, tokenizer, sampling, batch_size=settings.batch_size,
-                          batch_tokens=settings.batch_tokens)
+    if cfg.engine.name == "vllm":
+        from specgen.regen.vllm import VllmGenerator
+
+        engine = to_container(cfg.engine)
+        generator = VllmGenerator(cfg.model.path, model, tokenizer, sampling, engine=engine, seed=int(settings.seed),
+                                  max_model_len=engine.get("max_model_len") or int(cfg.data.max_length)
+                                  + int(settings.max_new_tokens))
+    else:
+        generator = Generator(model, tokenizer, sampling, batch_size=settings.batch_size,
+                              batch_tokens=settings.batch_tokens)
     policy = TurnPolicy(turns=settings.turns, on_truncated=settings.on_truncated, on_empty=settings.on_empty)
     return ConversationRegenerator(tokenizer, generator, policy, max_prompt_tokens=cfg.data.max_length,
                                    chat_template_kwargs=template_kwargs(cfg, tokenizer),
@@ -88,7 +111,8 @@ def generation_settings(cfg: DictConfig, regenerator: ConversationRegenerator) -
             "turns": regenerator.policy.turns, "on_truncated": regenerator.policy.on_truncated,
             "on_empty": regenerator.policy.on_empty, "max_prompt_tokens": regenerator.max_prompt_tokens,
             "stop_token_ids": regenerator.generator.stop_token_ids, "split_reasoning": regenerator.split_reasoning,
-            "backend": "transformers generate: left-padded batches, KV cache"}
+            "backend": getattr(regenerator.generator, "backend",
+                               "transformers generate: left-padded batches, KV cache")}
 
 
 def dataset_identity(cfg: DictConfig, model_config_hash: str, template_sha: str, generation: dict) -> dict:
@@ -136,7 +160,8 @@ def sum_stats(sidecars: list[dict]) -> dict:
     return totals
 
 
-def finish(cfg: DictConfig, out_dir: Path, units: list[int], model, identity: dict) -> dict:
+def finish(cfg: DictConfig, out_dir: Path, units: list[int], model, identity: dict,
+           last_run: dict | None = None) -> dict:
     """Main process: gather every part's sidecar into rejected.jsonl and the manifest (written last)."""
     sidecars = [read_sidecar(out_dir, unit) for unit in units]
     write_text_atomic(out_dir / REJECTED,
@@ -152,6 +177,7 @@ def finish(cfg: DictConfig, out_dir: Path, units: list[int], model, identity: di
         "generation": identity["generation"],
         "stats": sum_stats(sidecars),
         "config": to_container(cfg),
+        "last_run": last_run,  # this process's new tokens and seconds (after the model loaded), and the engine
     }
     write_manifest(out_dir, manifest)
     return manifest
@@ -206,8 +232,7 @@ def regenerate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease, rec
                     total: int | None) -> dict | None:
     """The job once its main process holds the lease on `out_dir` (`lease.check()` before each commit)."""
     tokenizer = load_tokenizer(cfg.tokenizer.path)
-    model = load_target(cfg.model.path, dtype=cfg.model.dtype, device=str(workers.device),
-                        attn_implementation=cfg.model.attn_implementation)
+    model = load_model(cfg, workers.device)
     regenerator = build_regenerator(cfg, tokenizer, model)
     identity = dataset_identity(cfg, config_hash(model), chat_template_sha256(tokenizer),
                                 generation_settings(cfg, regenerator))
@@ -243,7 +268,9 @@ def regenerate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease, rec
 
     wait_for_parts(out_dir, units)
     lease.check()
-    manifest = finish(cfg, out_dir, units, model, identity)
+    manifest = finish(cfg, out_dir, units, model, identity,
+                      last_run={"new_tokens": new_tokens, "seconds": seconds, "engine": cfg.engine.name,
+                                "new_tokens_per_second": new_tokens / max(seconds, 1e-9)})
     print_summary(manifest, out_dir, new_tokens, rows, seconds, source.describe(manifest["stats"]["source_rows"]))
     return manifest
 

@@ -56,12 +56,13 @@ def qwen3_tokenizer():
 
 def build_tiny_model(arch: str, out_dir: Path, *, vocab_size: int = 512, num_layers: int = 8,
                      hidden_size: int = 64, dtype: torch.dtype = torch.float32, seed: int = 0,
-                     tokenizer_dir: Path | None = None) -> Path:
+                     tokenizer_dir: Path | None = None, head_dim: int | None = None) -> Path:
     """Build a small randomly initialised model of a real architecture and `save_pretrained` it.
 
     arch: llama | mistral | qwen2 | qwen3 | qwen3_moe | gpt2 (gpt2 exercises the generic hook path).
     When `tokenizer_dir` is given its tokenizer is saved beside the weights (so `model.path`
-    alone is enough) and `vocab_size` must cover it.
+    alone is enough) and `vocab_size` must cover it. head_dim: Qwen3's (default 16; vLLM's CPU
+    attention wants 32, 64 or 128).
     """
     import transformers as tf
 
@@ -76,7 +77,7 @@ def build_tiny_model(arch: str, out_dir: Path, *, vocab_size: int = 512, num_lay
     elif arch == "qwen2":
         config = tf.Qwen2Config(**common)
     elif arch == "qwen3":
-        config = tf.Qwen3Config(**common, head_dim=16)
+        config = tf.Qwen3Config(**common, head_dim=head_dim or 16)
     elif arch == "qwen3_moe":
         config = tf.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                    moe_intermediate_size=hidden_size, decoder_sparse_step=1)

@@ -233,4 +233,4 @@ def test_unknown_engine_is_a_one_line_error(target, tmp_path):
                           cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
-        "error: engine.name=nope is not one of hf | deepspeed"]
+        "error: engine.name=nope is not one of hf | deepspeed | vllm"]

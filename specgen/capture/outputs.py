@@ -94,7 +94,7 @@ class SampleOutputs:
             raise SpecgenError(f"capture.logprob_temperature={self.temperature} must be positive")
         if self.lm_head_chunk_tokens < 1:
             raise SpecgenError(f"capture.lm_head_chunk_tokens={self.lm_head_chunk_tokens} must be positive")
-        if self.uses_lm_head:
+        if self.logits != "none" or (self.token_logprobs and self.capture.backend != "vllm"):  # vLLM: its own
             self._check_plain_logits()
         if self.logits == "full":
             per_position = self.vocab_size * self.capture.dtype.itemsize
@@ -161,7 +161,9 @@ class SampleOutputs:
             loss_mask[b, : len(row["loss_mask"])] = torch.as_tensor(row["loss_mask"], dtype=torch.bool)
         loss_mask = loss_mask.to(input_ids.device)
         self._add_hidden_states(rows, out)
-        if self.uses_lm_head:
+        if out.token_logprobs is not None and self.logits == "none":  # the engine's own (engine=vllm): no LM head
+            self._add_logprob_columns(rows, out.token_logprobs.to(input_ids.device), lengths, loss_mask)
+        elif self.uses_lm_head:
             self._add_lm_head_columns(rows, out.last_hidden_state, input_ids, lengths, loss_mask)
         if self.pooled != "none":
             self._add_pooled(rows, out, loss_mask)
@@ -215,12 +217,21 @@ class SampleOutputs:
             for row, row_values in zip(rows, values.split(per_row)):
                 row[name] = row_values
         if self.token_logprobs:
-            counts = trainable.sum(dim=1)
-            means = torch.where(trainable, logprobs, 0.0).sum(dim=1) / counts  # 0/0 = NaN: no trainable token
-            logprobs, means = logprobs.cpu(), means.cpu()
-            for b, row in enumerate(rows):
-                row["token_logprobs"] = logprobs[b, : len(row["input_ids"])]
-                row["mean_logprob"] = means[b]
+            self._add_logprob_columns(rows, logprobs, lengths, loss_mask)
+
+    def _add_logprob_columns(self, rows: list[dict], logprobs: torch.Tensor, lengths: torch.Tensor,
+                             loss_mask: torch.Tensor) -> None:
+        """token_logprobs [B, T] (NaN where there is no next token) -> the token_logprobs and mean_logprob columns."""
+        seq_len = logprobs.shape[1]
+        has_next = torch.arange(seq_len, device=logprobs.device) < (lengths - 1).unsqueeze(1)
+        trainable = torch.zeros_like(has_next)
+        trainable[:, :-1] = loss_mask[:, 1:] & has_next[:, :-1]
+        counts = trainable.sum(dim=1)
+        means = torch.where(trainable, logprobs, 0.0).sum(dim=1) / counts  # 0/0 = NaN: no trainable token
+        logprobs, means = logprobs.cpu(), means.cpu()
+        for b, row in enumerate(rows):
+            row["token_logprobs"] = logprobs[b, : len(row["input_ids"])]
+            row["mean_logprob"] = means[b]
 
     def _logit_columns(self) -> dict[str, torch.Tensor]:
         """The logit columns this run stores, each mapped to its empty value (a batch with no trainable position)."""

@@ -89,6 +89,7 @@ class CaptureOutput:
     aux_hidden_states: torch.Tensor  # [B, T, k*H], requested layers concatenated in the requested order
     last_hidden_state: torch.Tensor  # [B, T, H], output of the final norm (the LM head input)
     kv: list[LayerKV] | None = None  # with keep_kv: per decoder layer, keys and values of the input tokens
+    token_logprobs: torch.Tensor | None = None  # [B, T] float32 from an engine that computes them (engine=vllm)
 
 
 class TargetCapture(ABC):

@@ -1,0 +1,204 @@
+"""engine=vllm on real vLLM (CPU build) against engine=hf, on tiny Llama and Qwen3 targets with the real tokenizers
+and chat templates: shard rows, prefix-cache gap fill, engine log-probs, pooled states, resume after kill -9, bad rows,
+config-time refusals, and regeneration (vLLM greedy = HF greedy in float32).
+
+vLLM runs in a subprocess (`python -m specgen.<stage>`: vLLM spawns workers and wants a `__main__` guard); the HF
+references run in this process. Tiny models use head size 32 (vLLM's CPU attention wants 32/64/128).
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, TOKENIZERS, build_tiny_model, require_shared
+from specgen import open_shards
+from specgen.config import compose
+from specgen.errors import SpecgenError
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+COMMON = ["runtime.progress=false", "output.shard_size=3"]
+# One process (no engine-core or worker processes): a kill -9 leaves nothing running, and the engine starts faster.
+IN_PROCESS = ["engine.distributed_executor_backend=uni"]
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
+
+
+def write_data(path: Path) -> Path:
+    """Conversations, most sharing a ~300-token system prompt (several 128-token cache blocks), some multi-turn,
+    plus two bad rows (reported in rejected.jsonl)."""
+    rng = random.Random(0)
+    system = "You are a careful assistant. " + " ".join(rng.choice(WORDS) for _ in range(300))
+    lines = []
+    for i in range(12):
+        question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 25)))
+        answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 25)))
+        messages = ([{"role": "system", "content": system}] if i % 4 != 3 else []) + [
+            {"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        if i % 3 == 1:
+            messages += [{"role": "user", "content": "more " + question}, {"role": "assistant", "content": answer}]
+        lines.append(json.dumps({"id": f"r{i}", "messages": messages}))
+    lines.insert(4, "{not json")
+    lines.insert(9, json.dumps({"id": "noassistant", "messages": [{"role": "user", "content": "only me"}]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return write_data(tmp_path_factory.mktemp("data") / "chat.jsonl")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    """Tiny Llama (float32, 8 layers, head size 32) with the Llama 3.1 tokenizer and template."""
+    return build_tiny_model("llama", tmp_path_factory.mktemp("llama"), vocab_size=128256, hidden_size=128,
+                            tokenizer_dir=require_shared(TOKENIZERS["llama-3.1"]))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> Path:
+    """Tiny Qwen3 (bfloat16, 8 layers, head size 32) with the Qwen3 tokenizer and template."""
+    return build_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3"), vocab_size=151936, hidden_size=128,
+                            head_dim=32, dtype=torch.bfloat16, tokenizer_dir=require_shared(TOKENIZERS["qwen3"]))
+
+
+def vllm_cmd(stage: str, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", f"specgen.{stage}", "engine=vllm", *overrides]
+
+
+def vllm_env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def run_vllm(stage: str, *overrides: str, in_process: bool = True) -> None:
+    env = vllm_env() if in_process else {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(vllm_cmd(stage, *overrides, *(IN_PROCESS if in_process else [])), cwd=REPO, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def run_hf(stage: str, *overrides: str) -> dict:
+    from specgen.generate import run as generate
+    from specgen.regenerate import run as regenerate
+
+    return {"generate": generate, "regenerate": regenerate}[stage](compose(stage, list(overrides)))
+
+
+def rows_by_id(out_dir: Path) -> dict[str, dict]:
+    dataset = open_shards(out_dir)
+    return {row["sample_id"]: row for row in (dataset[i] for i in range(len(dataset)))}
+
+
+def shard_members(out_dir: Path) -> list[list[str]]:
+    return [sorted(open_shards(path)[i]["sample_id"] for i in range(len(open_shards(path))))
+            for path in sorted(out_dir.glob("shard-*.arrow"))]
+
+
+def assert_rows_close(got: dict, want: dict, *, tol: float) -> None:
+    assert got.keys() == want.keys()
+    for sample_id, row in got.items():
+        ref = want[sample_id]
+        assert torch.equal(row["input_ids"], ref["input_ids"]) and torch.equal(row["loss_mask"], ref["loss_mask"])
+        for name in ("aux_hidden_states", "last_hidden_state", "pooled_hidden_state", "token_logprobs"):
+            if name in ref:
+                torch.testing.assert_close(row[name].float(), ref[name].float(), rtol=tol, atol=tol, equal_nan=True,
+                                           msg=lambda m: f"{sample_id} {name}: {m}")
+
+
+GENERATE_LLAMA = ["capture.aux_layers=[0,3,7]", "output.store_prefix_once=true", "capture.pooled=mean_trainable"]
+
+
+@pytest.fixture(scope="module")
+def llama_vllm(llama, data, tmp_path_factory) -> Path:
+    """engine=vllm generate on the tiny Llama with prefix caching on (the uninterrupted dataset)."""
+    out = tmp_path_factory.mktemp("vllm") / "out"
+    run_vllm("generate", f"model.path={llama}", f"data.path={data}", f"output.dir={out}", *COMMON, *GENERATE_LLAMA)
+    return out
+
+
+def test_llama_float32_rows_equal_hf_with_prefix_cache_gap_fill(llama, data, llama_vllm, tmp_path):
+    hf = tmp_path / "hf"
+    manifest = run_hf("generate", f"model.path={llama}", f"data.path={data}", f"output.dir={hf}", *COMMON,
+                      *GENERATE_LLAMA)
+    got = json.loads((llama_vllm / "manifest.json").read_text())
+    # Cached prefixes were not recomputed, yet every row equals the HF forward of the whole row (tight in float32).
+    assert got["prefix_reuse"]["tokens_computed"] < got["prefix_reuse"]["tokens_emitted"]
+    assert_rows_close(rows_by_id(llama_vllm), rows_by_id(hf), tol=1e-4)
+    assert shard_members(llama_vllm) == shard_members(hf)
+    assert got["capture"]["backend"] == "vllm" and got["last_run"]["engine"] == "vllm"
+    assert got["model"] == manifest["model"] and got["capture"]["aux_layers"] == [0, 3, 7]
+    assert got["stats"]["tokens"] == manifest["stats"]["tokens"] and got["layout"] == "prefix_refs"
+    assert (llama_vllm / "rejected.jsonl").read_text() == (hf / "rejected.jsonl").read_text() != ""
+    # Nothing per request is left on disk: the output holds the dataset's files only (and the CLI's Hydra log).
+    assert {p.name for p in llama_vllm.iterdir()} - {"generate.log"} == {p.name for p in hf.iterdir()}
+
+
+def test_llama_resume_after_kill_gives_the_uninterrupted_dataset(llama, data, llama_vllm, tmp_path):
+    out = tmp_path / "interrupted"
+    cmd = vllm_cmd("generate", f"model.path={llama}", f"data.path={data}", f"output.dir={out}", *COMMON,
+                   *GENERATE_LLAMA, *IN_PROCESS)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=vllm_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 900
+    while not list(out.glob("shard-*.arrow")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists()
+    killed_with = len(list(out.glob("shard-*.arrow")))
+    assert 0 < killed_with < 5
+    run_vllm("generate", f"model.path={llama}", f"data.path={data}", f"output.dir={out}", *COMMON, *GENERATE_LLAMA)
+    assert_rows_close(rows_by_id(out), rows_by_id(llama_vllm), tol=1e-5)
+    assert shard_members(out) == shard_members(llama_vllm)
+    assert (out / "rejected.jsonl").read_text() == (llama_vllm / "rejected.jsonl").read_text()
+
+
+def test_qwen3_bfloat16_rows_and_logprobs_equal_hf(qwen3, data, tmp_path):
+    """bf16 within a few bf16 steps; token_logprobs from vLLM's prompt log-probs; the engine in its own processes."""
+    overrides = [f"model.path={qwen3}", f"data.path={data}", *COMMON, "capture.token_logprobs=true",
+                 "capture.pooled=mean", "data.chat_template_kwargs={enable_thinking:false}"]
+    run_vllm("generate", *overrides, f"output.dir={tmp_path / 'vllm'}", in_process=False)
+    run_hf("generate", *overrides, f"output.dir={tmp_path / 'hf'}")
+    got, want = rows_by_id(tmp_path / "vllm"), rows_by_id(tmp_path / "hf")
+    assert_rows_close(got, want, tol=5e-2)
+    for sample_id, row in got.items():  # bf16 steps are relative: also compare the mean error
+        ref = want[sample_id]
+        assert (row["aux_hidden_states"].float() - ref["aux_hidden_states"].float()).abs().mean() < 5e-3
+        assert abs(float(row["mean_logprob"]) - float(ref["mean_logprob"])) < 2e-2
+
+
+@pytest.mark.parametrize("override, message", [
+    ("capture.logits=topk", "capture.logits=topk is not available with engine=vllm"),
+    ("capture.logprob_temperature=0.5", "capture.logprob_temperature=0.5"),
+    ("capture.prefill_chunk_tokens=64", "engine.max_num_batched_tokens"),
+])
+def test_options_vllm_cannot_produce_exactly_are_refused_at_config_time(llama, data, tmp_path, override, message):
+    from specgen.generate import run
+
+    cfg = compose("generate", [f"model.path={llama}", f"data.path={data}", f"output.dir={tmp_path / 'out'}",
+                               "engine=vllm", "capture.token_logprobs=true", override, *COMMON])
+    started = time.time()
+    with pytest.raises(SpecgenError, match=message):
+        run(cfg)
+    assert time.time() - started < 60  # refused before an engine starts
+
+
+def test_regenerate_vllm_greedy_equals_hf_greedy_float32(llama, data, tmp_path):
+    overrides = [f"model.path={llama}", f"data.path={data}", "runtime.progress=false", "output.shard_size=4",
+                 "regenerate.temperature=0", "regenerate.max_new_tokens=8"]
+    run_vllm("regenerate", *overrides, f"output.dir={tmp_path / 'vllm'}")
+    run_hf("regenerate", *overrides, f"output.dir={tmp_path / 'hf'}")
+    parts = sorted(p.name for p in (tmp_path / "hf").glob("part-*.jsonl"))
+    assert parts and parts == sorted(p.name for p in (tmp_path / "vllm").glob("part-*.jsonl"))
+    for name in parts:
+        assert (tmp_path / "vllm" / name).read_text() == (tmp_path / "hf" / name).read_text()
+    got, want = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("vllm", "hf"))
+    assert got["stats"] == want["stats"] and got["stats"]["new_tokens"] > 0
+    assert got["generation"]["backend"].startswith("vllm")

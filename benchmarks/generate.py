@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
+SHARED = Path(os.environ.get("SPECGEN_SHARED", REPO.parent / "shared"))
 TOKENIZER = SHARED / "tokenizers" / "llama-3.1"
 DATA = SHARED / "datasets" / "sharegpt_fastchat_dummy.json"
 AUX_LAYERS = [1, 3, 4]

@@ -27,7 +27,7 @@ from specgen.capture import TargetCapture, make_capture
 from specgen.capture.layers import default_aux_layers, validate_aux_layers
 from specgen.capture.outputs import SampleOutputs, logprob_statistics
 from specgen.capture.outputs import identity as output_identity
-from specgen.capture.reuse import capture_with_prefix_reuse
+from specgen.capture.reuse import capture_with_prefix_reuse, reuse_pays
 from specgen.capture.target import CaptureOutput, config_hash, load_target
 from specgen.config import stage_main, to_container
 from specgen.data.batching import token_budget_batches
@@ -131,10 +131,11 @@ def capture_batches(target: Target, samples: list[TokenizedSample], *, batch_tok
 
 
 def with_output_columns(target: Target, rows: list[dict], device: torch.device) -> tuple[list[dict], int]:
-    """Rows from the prefix-reuse runner carry full hidden states; re-pad them into a batch so the stored columns
-    (fp8 codes, logits, log-probs, pooled vectors) come from the one code path the plain capture uses."""
+    """Rows from the prefix-reuse runner carry full hidden states, which are the stored columns as they are; for
+    any other column (fp8 codes, logits, log-probs, pooled vectors) re-pad them into a batch so those come from the
+    one code path the plain capture uses."""
     rows, padded = rows
-    if not rows:
+    if not rows or target.outputs.hidden_states_only:
         return rows, padded
     longest = max(len(row["input_ids"]) for row in rows)
     input_ids = torch.full((len(rows), longest), target.pad_id, dtype=torch.long, device=device)
@@ -183,8 +184,8 @@ def owned_units(cfg: DictConfig, records: Iterable[SourceRecord], chat: ChatTemp
 
 
 def unit_batches(cfg: DictConfig, unit: PreparedUnit, target: Target, plan, device: torch.device):
-    """The unit's captured batches, computed in full or continuing shared prefixes from their KV cache."""
-    if not target.prefix_reuse:
+    """The unit's captured batches, computed in full or (given a plan) continuing shared prefixes from their KV cache."""
+    if plan is None:
         yield from capture_batches(target, unit.samples, batch_tokens=cfg.capture.batch_tokens,
                                    max_batch_size=cfg.capture.max_batch_size, device=device,
                                    chunk_tokens=cfg.capture.prefill_chunk_tokens)
@@ -204,10 +205,11 @@ def capture_units(cfg: DictConfig, units: Iterable[PreparedUnit], target: Target
         plan = (plan_prefixes(sequences, cfg.capture.prefix_min_tokens)
                 if target.prefix_reuse or target.spec.store_prefix_once else None)
         stats["tokens_emitted"] = stats["tokens"]
-        stats["tokens_computed"] = plan.tokens_computed if target.prefix_reuse else stats["tokens"]
+        reuse = target.prefix_reuse and reuse_pays(plan)  # else the plain path is the faster one (measured)
+        stats["tokens_computed"] = plan.tokens_computed if reuse else stats["tokens"]
         encoder = PrefixRefEncoder(plan, sequences, target.spec) if target.spec.store_prefix_once else None
         writer.begin(unit.index)
-        for rows, padded, ready in unit_batches(cfg, unit, target, plan, device):
+        for rows, padded, ready in unit_batches(cfg, unit, target, plan if reuse else None, device):
             rows, rejections = target.sample_filter.apply(rows, stats)
             unit.rejected.extend(rejections)
             writer.write(encoder.encode(rows) if encoder else rows, ready)

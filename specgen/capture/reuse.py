@@ -166,3 +166,14 @@ class _UnitRun:
                 "loss_mask": sample.loss_mask,
                 "aux_hidden_states": torch.cat([aux for aux, _ in parts]),
                 "last_hidden_state": torch.cat([last for _, last in parts])}
+
+
+# Reuse a unit's prefixes only when they save at least this share of its tokens. Below it the reuse path's own
+# costs (a level's batches split from the next, two attention calls merged per layer, rows assembled from parts)
+# outweigh the saving, and the plain path gives the same rows (README "Shared-prefix reuse", the reuse rule).
+MIN_SAVING = 0.05
+
+
+def reuse_pays(plan: PrefixPlan) -> bool:
+    """Whether capturing with `plan` is expected to beat the plain path: it saves at least MIN_SAVING of the tokens."""
+    return bool(plan.nodes) and plan.tokens_computed <= (1 - MIN_SAVING) * plan.tokens_emitted

@@ -115,24 +115,33 @@ def compare(args) -> None:
                 "reuse on": lambda out: generate(model_dir, data, out, args, "capture.prefix_reuse=true")}
         results: dict[str, list[dict]] = {name: [] for name in runs}
         for repeat, name in itertools.product(range(args.repeats), runs):
+            cpu = cpu_seconds()
             result = runs[name](Path(tmp) / f"{name.replace(' ', '_')}-{repeat}")
+            result["cpu_seconds"] = cpu_seconds() - cpu  # this process's CPU time: steadier than wall on a busy machine
             results[name].append(result)
             print(f"repeat {repeat} {name:<13} {result['tokens'] / result['seconds']:>9,.0f} tokens/s "
-                  f"({result['seconds']:.1f}s)", flush=True)
+                  f"({result['seconds']:.1f}s wall, {result['cpu_seconds']:.1f}s CPU)", flush=True)
     print(table(results, args))
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def table(results: dict[str, list[dict]], args) -> str:
     bare = results["bare forward"]
     lines = [f"\ndata={args.data} rows={args.rows} tokens={bare[0]['tokens']:,} max_length={args.max_length} "
              f"dtype={args.dtype} threads={args.threads} repeats={args.repeats} (alternating; medians)",
-             f"{'configuration':<14}{'tokens/s':>10}{'vs bare':>9}{'computed':>11}  per-repeat vs bare"]
+             f"{'configuration':<14}{'tokens/s':>10}{'vs bare':>9}{'computed':>11}{'CPU-s/Mtok':>12}"
+             "  per-repeat vs bare"]
     ratios = {}
     for name, runs in results.items():
         rates = [r["tokens"] / r["seconds"] for r in runs]
         ratios[name] = [rate / (b["tokens"] / b["seconds"]) for rate, b in zip(rates, bare)]
         lines.append(f"{name:<14}{statistics.median(rates):>10,.0f}{statistics.median(ratios[name]):>9.2f}"
-                     f"{runs[0]['computed'] / runs[0]['tokens']:>10.0%}  "
+                     f"{runs[0]['computed'] / runs[0]['tokens']:>10.0%}"
+                     f"{statistics.median(r['cpu_seconds'] / r['tokens'] * 1e6 for r in runs):>12,.0f}  "
                      + " ".join(f"{r:.2f}" for r in ratios[name]))
     off, on = statistics.median(ratios["reuse off"]), statistics.median(ratios["reuse on"])
     lines.append(f"goals: reuse off >= 0.9 x bare: {off:.2f} {'ok' if off >= 0.9 else 'MISSED'}; "

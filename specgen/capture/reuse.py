@@ -109,15 +109,22 @@ class _UnitRun:
         return 0 if node is None else self.plan.nodes[node].level + 1
 
     def _batches(self, items: list[_Item]) -> list[list[_Item]]:
-        """Longest first under `batch_tokens` (batch size x longest new tokens) and `max_batch_size`; within a batch,
-        rows continuing the same prefix are next to each other."""
+        """Longest first under `batch_tokens` (batch size x longest new tokens) and `max_batch_size`, and a row joins a
+        batch only while the batch's padding stays within MAX_PADDING of its real tokens (a level's rows range from
+        whole samples to a few tokens: without this bound their padding costs more than the reuse saves); within a
+        batch, rows continuing the same prefix are next to each other."""
         batches: list[list[_Item]] = []
+        real = 0
         for item in sorted(items, key=lambda it: (-len(it), it.source, it.start)):
-            if batches and ((len(batches[-1]) + 1) * len(batches[-1][0]) <= self.batch_tokens
-                            and len(batches[-1]) < self.max_batch_size):
-                batches[-1].append(item)
-            else:
-                batches.append([item])
+            if batches:
+                size, longest = len(batches[-1]) + 1, len(batches[-1][0])
+                if (size * longest <= self.batch_tokens and size <= self.max_batch_size
+                        and size * longest <= (1 + MAX_PADDING) * (real + len(item))):
+                    batches[-1].append(item)
+                    real += len(item)
+                    continue
+            batches.append([item])
+            real = len(item)
         return [sorted(batch, key=lambda it: -1 if it.past is None else it.past) for batch in batches]
 
     def _forward(self, batch: list[_Item]) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -167,6 +174,9 @@ class _UnitRun:
                 "aux_hidden_states": torch.cat([aux for aux, _ in parts]),
                 "last_hidden_state": torch.cat([last for _, last in parts])}
 
+
+# A batch's padded tokens stay within this share of its real tokens (measured: README "Shared-prefix reuse").
+MAX_PADDING = 0.1
 
 # Reuse a unit's prefixes only when they save at least this share of its tokens. Below it the reuse path's own
 # costs (a level's batches split from the next, two attention calls merged per layer, rows assembled from parts)

@@ -1,20 +1,32 @@
-"""Generate throughput, disk and memory: specgen vs the bare forward vs a naive baseline, side by side.
+"""Generate throughput side by side: the bare forward, specgen without and with shared-prefix reuse.
 
-  (a) specgen      python -m specgen.generate (tokenize, capture 3 aux layers + final hidden state, Arrow shards)
-  (b) bare forward the backbone forward over the same token batches: no capture, no lm_head, no I/O (the limit)
-  (c) naive        the existing tools' style: output_hidden_states=True, full-vocab logits, fixed-size batches
-                   padded to max_length in dataset order, one torch.save file per sample (padded tensors)
+  bare forward   the HF backbone forward (`model.model`) over the same length-sorted token batches: no capture,
+                 no lm_head, no tokenizing, no I/O (the limit)
+  reuse off      python -m specgen.generate with capture.prefix_reuse=false (in-process; model load excluded)
+  reuse on       the same with capture.prefix_reuse=true (the default)
 
-Each method runs in its own process (so peak RSS is its own) on the same model and rows. The model is shaped like
-a small real LLM: hidden 512, 8 layers, the real Llama-3.1 vocabulary and tokenizer (needs ../shared).
+The configurations ALTERNATE within each repeat (bare, off, on, bare, off, on, ...) in one process, so drift in the
+machine's load hits all of them alike; the table gives the median tokens/s (tokens emitted per second of capture)
+and the median of the per-repeat ratios to the bare run of the same repeat. Goals: reuse off >= 0.9 x bare, reuse on
+>= 1.1 x bare on the glaive set (rows sharing long system prompts), and reuse on >= reuse off on data without much
+sharing. The model is shaped like a small real LLM: Llama, hidden 512, 8 layers, the real Llama-3.1 vocabulary and
+tokenizer (needs ../shared, or SPECGEN_SHARED=/path/to/shared).
 
-  python benchmarks/generate.py [--rows 200] [--max-length 512] [--threads 2]
+  python benchmarks/generate.py [--data glaive|fastchat|PATH] [--rows 300] [--repeats 3] [--threads 2]
+
+--scaling prints instead how the cost grows: tokens/s and peak RSS of `specgen generate` (defaults: reuse on) for
+1x, 2x, 4x the rows and sequence lengths 512 / 2k / 8k (8k rows are consecutive glaive conversations joined into
+one; capture.prefill_chunk_tokens=2048 above 2k), each cell in its own process so its peak RSS is its own.
+
+  python benchmarks/generate.py --scaling [--rows 16] [--lengths 512,2048,8192] [--scales 1,2,4]
 """
 
 import argparse
+import itertools
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,142 +36,206 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
+SHARED = Path(os.environ.get("SPECGEN_SHARED", REPO.parent / "shared"))
+if not SHARED.exists() and Path("/work/shared").exists():
+    SHARED = Path("/work/shared")
 TOKENIZER = SHARED / "tokenizers" / "llama-3.1"
-DATA = SHARED / "datasets" / "sharegpt_fastchat_dummy.json"
+DATASETS = {"glaive": SHARED / "datasets" / "sharegpt_glaive_toolcall.json",
+            "fastchat": SHARED / "datasets" / "sharegpt_fastchat_dummy.json"}
 AUX_LAYERS = [1, 3, 4]
 
 
-def build_model(out_dir: Path) -> None:
+def build_model(out_dir: Path, dtype: str = "bfloat16") -> None:
     import transformers as tf
 
     torch.manual_seed(0)
     config = tf.LlamaConfig(vocab_size=128256, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+                            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=16384,
                             tie_word_embeddings=False)
-    tf.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(out_dir)
+    tf.AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype)).save_pretrained(out_dir)
     tf.AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(out_dir)
 
 
-def tokenized_samples(model_dir: Path, rows: int, max_length: int):
+def data_path(name: str) -> Path:
+    return DATASETS.get(name, Path(name))
+
+
+def tokenized_samples(model_dir: Path, data: Path, rows: int, max_length: int):
     from transformers import AutoTokenizer
 
     from specgen.data.prepare import prepare_rows
     from specgen.data.sources import iter_records
     from specgen.data.template import ChatTemplateTokenizer
 
-    import itertools
-
     chat = ChatTemplateTokenizer(AutoTokenizer.from_pretrained(model_dir), max_length=max_length)
-    return [s for row in prepare_rows(itertools.islice(iter_records(DATA), rows), chat) for s in row.samples]
+    return [s for row in prepare_rows(itertools.islice(iter_records(data), rows), chat) for s in row.samples]
 
 
-def run_specgen(model_dir: Path, work: Path, args) -> dict:
+def generate(model_dir: Path, data: Path, out_dir: Path, args, *overrides: str) -> dict:
+    """specgen generate in this process; (tokens emitted, tokens computed, seconds of capture)."""
     from specgen.config import compose
     from specgen.generate import run
 
-    manifest = run(compose("generate", [f"model.path={model_dir}", f"data.path={DATA}", f"output.dir={work}",
-                                        f"data.max_rows={args.rows}", f"data.max_length={args.max_length}",
-                                        f"capture.aux_layers={AUX_LAYERS}", f"capture.batch_tokens={args.batch_tokens}",
-                                        "runtime.progress=false", "output.shard_size=64"]))
-    return {"tokens": manifest["last_run"]["computed_tokens"], "seconds": manifest["last_run"]["seconds"],
-            "bytes": manifest["stats"]["bytes_on_disk"]}
+    manifest = run(compose("generate", [
+        f"model.path={model_dir}", f"data.path={data}", f"output.dir={out_dir}", f"data.max_rows={args.rows}",
+        f"data.max_length={args.max_length}", f"capture.aux_layers={AUX_LAYERS}", f"model.dtype={args.dtype}",
+        f"capture.batch_tokens={args.batch_tokens}", "runtime.progress=false",
+        f"output.shard_size={args.shard_size}", *overrides]))
+    return {"tokens": manifest["stats"]["tokens"], "computed": manifest["prefix_reuse"]["tokens_computed"],
+            "seconds": manifest["last_run"]["seconds"]}
 
 
-def run_bare(model_dir: Path, work: Path, args) -> dict:
-    from transformers import AutoModelForCausalLM
-
+def bare_forward(backbone, samples, batch_tokens: int) -> dict:
     from specgen.data.batching import token_budget_batches
 
-    samples = tokenized_samples(model_dir, args.rows, args.max_length)
-    backbone = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).model.eval()
     start = time.perf_counter()
     with torch.inference_mode():
-        for batch in token_budget_batches(samples, args.batch_tokens, 64):
-            ids = torch.zeros(len(batch), max(len(s) for s in batch), dtype=torch.long)
+        for batch in token_budget_batches(samples, batch_tokens, 64):
+            ids = torch.zeros(len(batch), len(batch[0]), dtype=torch.long)
             for b, s in enumerate(batch):
                 ids[b, : len(s)] = torch.tensor(s.input_ids)
             backbone(input_ids=ids)
-    return {"tokens": sum(len(s) for s in samples), "seconds": time.perf_counter() - start, "bytes": 0}
+    tokens = sum(len(s) for s in samples)
+    return {"tokens": tokens, "computed": tokens, "seconds": time.perf_counter() - start}
 
 
-def run_naive(model_dir: Path, work: Path, args) -> dict:
+def compare(args) -> None:
+    """bare / reuse off / reuse on, alternating, in this process (see the module doc)."""
     from transformers import AutoModelForCausalLM
 
-    samples = tokenized_samples(model_dir, args.rows, args.max_length)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    batch_size = 4
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for first in range(0, len(samples), batch_size):
-            batch = samples[first: first + batch_size]
-            ids = torch.zeros(len(batch), args.max_length, dtype=torch.long)
-            mask = torch.zeros(len(batch), args.max_length, dtype=torch.long)
-            for b, s in enumerate(batch):
-                ids[b, : len(s)] = torch.tensor(s.input_ids)
-                mask[b, : len(s)] = 1
-            out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-            aux = torch.cat([out.hidden_states[i + 1] for i in AUX_LAYERS], dim=-1)
-            for b, s in enumerate(batch):
-                torch.save({"input_ids": ids[b].clone(), "loss_mask": torch.tensor(s.loss_mask),
-                            "hidden_state": aux[b].clone(), "target": out.hidden_states[-1][b].clone()},
-                           work / f"{first + b}.pt")
-    return {"tokens": sum(len(s) for s in samples), "seconds": time.perf_counter() - start,
-            "bytes": sum(p.stat().st_size for p in work.glob("*.pt"))}
-
-
-METHODS = {"specgen": run_specgen, "bare forward": run_bare, "naive": run_naive}
-
-
-def child(args) -> None:
     torch.set_num_threads(args.threads)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    result = METHODS[args.method](Path(args.model), work, args)
+    data = data_path(args.data)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        build_model(model_dir, args.dtype)
+        samples = tokenized_samples(model_dir, data, args.rows, args.max_length)
+        backbone = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).model.eval()
+        runs = {"bare forward": lambda out: bare_forward(backbone, samples, args.batch_tokens),
+                "reuse off": lambda out: generate(model_dir, data, out, args, "capture.prefix_reuse=false"),
+                "reuse on": lambda out: generate(model_dir, data, out, args, "capture.prefix_reuse=true")}
+        results: dict[str, list[dict]] = {name: [] for name in runs}
+        for repeat, name in itertools.product(range(args.repeats), runs):
+            cpu = cpu_seconds()
+            result = runs[name](Path(tmp) / f"{name.replace(' ', '_')}-{repeat}")
+            result["cpu_seconds"] = cpu_seconds() - cpu  # this process's CPU time: steadier than wall on a busy machine
+            results[name].append(result)
+            print(f"repeat {repeat} {name:<13} {result['tokens'] / result['seconds']:>9,.0f} tokens/s "
+                  f"({result['seconds']:.1f}s wall, {result['cpu_seconds']:.1f}s CPU)", flush=True)
+    print(table(results, args))
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def table(results: dict[str, list[dict]], args) -> str:
+    bare = results["bare forward"]
+    lines = [f"\ndata={args.data} rows={args.rows} tokens={bare[0]['tokens']:,} max_length={args.max_length} "
+             f"dtype={args.dtype} threads={args.threads} repeats={args.repeats} (alternating; medians)",
+             f"{'configuration':<14}{'tokens/s':>10}{'vs bare':>9}{'computed':>11}{'CPU-s/Mtok':>12}"
+             "  per-repeat vs bare"]
+    ratios = {}
+    for name, runs in results.items():
+        rates = [r["tokens"] / r["seconds"] for r in runs]
+        ratios[name] = [rate / (b["tokens"] / b["seconds"]) for rate, b in zip(rates, bare)]
+        lines.append(f"{name:<14}{statistics.median(rates):>10,.0f}{statistics.median(ratios[name]):>9.2f}"
+                     f"{runs[0]['computed'] / runs[0]['tokens']:>10.0%}"
+                     f"{statistics.median(r['cpu_seconds'] / r['tokens'] * 1e6 for r in runs):>12,.0f}  "
+                     + " ".join(f"{r:.2f}" for r in ratios[name]))
+    off, on = statistics.median(ratios["reuse off"]), statistics.median(ratios["reuse on"])
+    lines.append(f"goals: reuse off >= 0.9 x bare: {off:.2f} {'ok' if off >= 0.9 else 'MISSED'}; "
+                 f"reuse on >= 1.1 x bare: {on:.2f} {'ok' if on >= 1.1 else 'MISSED'}; "
+                 f"reuse on >= reuse off: {on / off:.2f} {'ok' if on >= off else 'MISSED'}")
+    return "\n".join(lines)
+
+
+# --- scaling: each cell in its own process ---------------------------------------------------------------------
+
+def joined_conversations(path: Path, rows: int, target_tokens: int) -> Path:
+    """Rows of consecutive glaive conversations joined until each has about `target_tokens` tokens (4 chars each)."""
+    source = json.loads(DATASETS["glaive"].read_text())
+    joined, current, chars = [], None, 0
+    for row in itertools.cycle(source):
+        if current is None:
+            current, chars = {"conversations": [], "tools": row.get("tools", "[]")}, 0
+        current["conversations"] += row["conversations"]
+        chars += sum(len(turn["value"]) for turn in row["conversations"])
+        if chars >= 4 * target_tokens:
+            joined.append(current)
+            current = None
+            if len(joined) == rows:
+                break
+    path.write_text(json.dumps(joined))
+    return path
+
+
+def scaling_child(args) -> None:
+    torch.set_num_threads(args.threads)
+    result = generate(Path(args.model), Path(args.data), Path(args.work), args, *args.override)
     result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print("RESULT " + json.dumps(result))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=200)
-    parser.add_argument("--max-length", type=int, default=512)
-    parser.add_argument("--batch-tokens", type=int, default=8192)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--method", choices=list(METHODS), help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--work", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.method:
-        return child(args)
-    if not TOKENIZER.exists():
-        sys.exit(f"{TOKENIZER} is missing: this benchmark needs ../shared")
-
+def scaling(args) -> None:
+    lengths = [int(n) for n in args.lengths.split(",")]
+    scales = [int(n) for n in args.scales.split(",")]
+    lines = [f"scaling: specgen generate, {args.dtype}, threads={args.threads}, {args.rows} rows at 1x, "
+             f"reuse {'on' if args.reuse else 'off'}",
+             f"{'max_length':>10}{'rows':>6}{'tokens':>10}{'computed':>10}{'tokens/s':>10}{'peak RSS':>11}"]
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "model"
-        build_model(model_dir)
-        results = {}
-        for name in METHODS:
-            cmd = [sys.executable, __file__, "--method", name, "--model", str(model_dir),
-                   "--work", str(Path(tmp) / name.replace(" ", "_")), "--rows", str(args.rows),
-                   "--max-length", str(args.max_length), "--batch-tokens", str(args.batch_tokens),
-                   "--threads", str(args.threads)]
-            out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        tmp = Path(tmp)
+        model_dir = tmp / "model"
+        build_model(model_dir, args.dtype)
+        for length, scale in itertools.product(lengths, scales):
+            rows = args.rows * scale
+            data = (joined_conversations(tmp / f"joined-{length}-{rows}.json", rows, length) if length > 2048
+                    else DATASETS["glaive"])
+            overrides = [f"capture.prefix_reuse={str(args.reuse).lower()}"]
+            if length > 2048:
+                overrides.append("capture.prefill_chunk_tokens=2048")
+            cmd = [sys.executable, __file__, "--scaling-child", "--model", str(model_dir), "--data", str(data),
+                   "--work", str(tmp / f"out-{length}-{scale}"), "--rows", str(rows), "--max-length", str(length),
+                   "--batch-tokens", str(args.batch_tokens), "--threads", str(args.threads), "--dtype", args.dtype,
+                   "--shard-size", str(args.shard_size), *[f"--override={o}" for o in overrides]]
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
+                                 env={**os.environ, "PYTHONPATH": str(REPO)})
             line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
             if line is None:
-                sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
-            results[name] = json.loads(line[7:])
+                sys.exit(f"max_length={length} rows={rows} failed:\n{out.stderr[-3000:]}")
+            r = json.loads(line[7:])
+            lines.append(f"{length:>10}{rows:>6}{r['tokens']:>10,}{r['computed']:>10,}"
+                         f"{r['tokens'] / r['seconds']:>10,.0f}{r['peak_rss'] / 2**20:>9,.0f}MB")
+            print(lines[-1], flush=True)
+    print("\n".join(lines))
 
-    payload = 4 + 1 + (len(AUX_LAYERS) + 1) * 512 * 2  # int32 id + int8 mask + 4 bf16 vectors of 512
-    bare = results["bare forward"]["tokens"] / results["bare forward"]["seconds"]
-    print(f"\nrows={args.rows} max_length={args.max_length} tokens={results['specgen']['tokens']:,} "
-          f"threads={args.threads}; raw payload {payload:,} B/token")
-    print(f"{'method':<14}{'tokens/s':>10}{'vs bare':>9}{'B/token':>10}{'vs payload':>12}{'peak RSS':>11}")
-    for name, r in results.items():
-        rate = r["tokens"] / r["seconds"]
-        per_token = r["bytes"] / r["tokens"]
-        print(f"{name:<14}{rate:>10,.0f}{rate / bare:>9.2f}{per_token:>10,.0f}"
-              f"{(per_token / payload if r['bytes'] else float('nan')):>12.2f}{r['peak_rss'] / 2**20:>9,.0f}MB")
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default="glaive", help="glaive, fastchat, or a dataset path")
+    parser.add_argument("--rows", type=int, default=300)
+    parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument("--batch-tokens", type=int, default=8192)
+    parser.add_argument("--shard-size", type=int, default=1024, help="output.shard_size (prefixes are per unit)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--scaling", action="store_true", help="the 1x/2x/4x x 512/2k/8k table instead")
+    parser.add_argument("--lengths", default="512,2048,8192")
+    parser.add_argument("--scales", default="1,2,4")
+    parser.add_argument("--reuse", action=argparse.BooleanOptionalAction, default=True, help="scaling: reuse on/off")
+    parser.add_argument("--scaling-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    parser.add_argument("--override", action="append", default=[], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.scaling_child:
+        return scaling_child(args)
+    if not TOKENIZER.exists():
+        sys.exit(f"{TOKENIZER} is missing: this benchmark needs ../shared (or SPECGEN_SHARED=/path/to/shared)")
+    if args.scaling:
+        return scaling(args)
+    compare(args)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ from specgen.capture import TargetCapture, make_capture
 from specgen.capture.layers import default_aux_layers, validate_aux_layers
 from specgen.capture.outputs import SampleOutputs, logprob_statistics
 from specgen.capture.outputs import identity as output_identity
-from specgen.capture.reuse import capture_with_prefix_reuse
+from specgen.capture.positions import position_chunks
+from specgen.capture.reuse import capture_with_prefix_reuse, reuse_pays
 from specgen.capture.target import CaptureOutput, config_hash, load_target
 from specgen.config import stage_main, to_container
 from specgen.data.batching import pad_right, token_budget_batches
@@ -120,11 +121,11 @@ def count_top_tokens(counts: torch.Tensor | None, target: Target, last_hidden_st
     for b, mask in enumerate(loss_masks):
         mask = torch.as_tensor(mask, dtype=torch.bool)
         needed[b, : len(mask) - 1] = mask[1:]
-    rows, cols = (to_device(index, last_hidden_state.device) for index in needed.nonzero(as_tuple=True))
     with torch.no_grad():
-        for start in range(0, len(rows), chunk_tokens):
-            states = last_hidden_state[rows[start:start + chunk_tokens], cols[start:start + chunk_tokens]]
-            top = target.capture.lm_head(states).argmax(-1)
+        for rows, cols in position_chunks(needed, chunk_tokens):  # host indices: no device sync
+            device = last_hidden_state.device
+            states = last_hidden_state[to_device(rows, device), to_device(cols, device)]
+            top = target.capture.lm_head(states.to(counts.device)).argmax(-1)
             counts.scatter_add_(0, top, torch.ones_like(top))
 
 
@@ -161,10 +162,15 @@ def capture_batches(target: Target, samples: list[TokenizedSample], *, batch_tok
 
 def with_output_columns(target: Target, rows: list[dict], device: torch.device, top_counts: torch.Tensor | None = None,
                         lm_head_chunk: int = 1024) -> tuple[list[dict], int]:
-    """Rows from the prefix-reuse runner carry full hidden states; re-pad them into a batch so the stored columns
-    (fp8 codes, logits, log-probs, pooled vectors) come from the one code path the plain capture uses."""
+    """Rows from the prefix-reuse runner carry full hidden states, which are the stored columns as they are; for
+    any other column (fp8 codes, logits, log-probs, pooled vectors) re-pad them into a batch so those come from the
+    one code path the plain capture uses."""
     rows, padded = rows
     if not rows:
+        return rows, padded
+    if target.outputs.hidden_states_only:  # nothing to compute from the states but the target's top tokens
+        for row in rows:
+            count_top_tokens(top_counts, target, row["last_hidden_state"][None], [row["loss_mask"]], lm_head_chunk)
         return rows, padded
     longest = max(len(row["input_ids"]) for row in rows)
     input_ids = torch.full((len(rows), longest), target.pad_id, dtype=torch.long, device=device)
@@ -215,9 +221,9 @@ def owned_units(cfg: DictConfig, records: Iterable[SourceRecord], chat: ChatTemp
 
 def unit_batches(cfg: DictConfig, unit: PreparedUnit, target: Target, plan, device: torch.device,
                  top_counts: torch.Tensor | None = None):
-    """The unit's captured batches, computed in full or continuing shared prefixes from their KV cache."""
+    """The unit's captured batches, computed in full or (given a plan) continuing shared prefixes from their KV cache."""
     head_chunk = cfg.capture.lm_head_chunk_tokens
-    if not target.prefix_reuse:
+    if plan is None:
         yield from capture_batches(target, unit.samples, batch_tokens=cfg.capture.batch_tokens,
                                    max_batch_size=cfg.capture.max_batch_size, device=device,
                                    chunk_tokens=cfg.capture.prefill_chunk_tokens, top_counts=top_counts,
@@ -238,13 +244,14 @@ def capture_units(cfg: DictConfig, units: Iterable[PreparedUnit], target: Target
         plan = (plan_prefixes(sequences, cfg.capture.prefix_min_tokens)
                 if target.prefix_reuse or target.spec.store_prefix_once else None)
         stats["tokens_emitted"] = stats["tokens"]
-        stats["tokens_computed"] = plan.tokens_computed if target.prefix_reuse else stats["tokens"]
+        reuse = target.prefix_reuse and reuse_pays(plan)  # else the plain path is the faster one (measured)
+        stats["tokens_computed"] = plan.tokens_computed if reuse else stats["tokens"]
         encoder = PrefixRefEncoder(plan, sequences, target.spec) if target.spec.store_prefix_once else None
         writer.begin(unit.index)
         top_counts = (torch.zeros(target.capture.lm_head.weight.shape[0], dtype=torch.long, device=device)
                       if counts_top_tokens(cfg, target) else None)
         cached_before = getattr(target.capture, "tokens_cached", 0)  # engine=vllm: tokens its prefix cache held
-        for rows, padded, ready in unit_batches(cfg, unit, target, plan, device, top_counts):
+        for rows, padded, ready in unit_batches(cfg, unit, target, plan if reuse else None, device, top_counts):
             rows, rejections = target.sample_filter.apply(rows, stats)
             unit.rejected.extend(rejections)
             writer.write(encoder.encode(rows) if encoder else rows, ready)

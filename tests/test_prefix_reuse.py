@@ -17,9 +17,11 @@ from conftest import REPO, TOKENIZERS, build_tiny_model, require_shared
 from specgen import open_shards
 from specgen.assets import ASSETS_DIR
 from specgen.capture import load_target, make_capture
-from specgen.capture.kv import PastKV
+from specgen.capture.kv import GroupedPast, PastKV
+from specgen.capture.reuse import capture_with_prefix_reuse, reuse_pays
 from specgen.config import compose
 from specgen.data.prefixes import plan_prefixes
+from specgen.data.sample import TokenizedSample
 from specgen.errors import SpecgenError
 from specgen.generate import run
 from specgen.verify import relative_error
@@ -331,3 +333,107 @@ def test_writer_checks_suffix_lengths_against_prefix_len(tmp_path):
         writer.write([row])  # 1 borrowed + 2 stored tokens = 3
         with pytest.raises(ValueError, match="disagree on the token count"):
             writer.write([{**row, "prefix_len": 0}])
+
+
+# --- grouped pasts (the reuse runner's layout): fused causal part + folded past part --------------------------------
+
+def grouped_continuation(capture, prefixes, groups):
+    """Capture each prefix with keep_kv, then every group's suffixes as one batch of rows grouped by prefix."""
+    ids = torch.zeros(len(prefixes), max(map(len, prefixes)), dtype=torch.long)
+    for b, prefix in enumerate(prefixes):
+        ids[b, : len(prefix)] = prefix
+    first = capture(ids, torch.tensor([len(p) for p in prefixes]), keep_kv=True)
+    suffixes = [suffix for _, group in groups for suffix in group]
+    bounds = [0]
+    for _, group in groups:
+        bounds.append(bounds[-1] + len(group))
+    kv = [None if prefix is None else [(k[prefix, :, :len(prefixes[prefix])], v[prefix, :, :len(prefixes[prefix])])
+                                       for k, v in first.kv] for prefix, _ in groups]
+    past = GroupedPast(bounds=bounds, lengths=[0 if p is None else len(prefixes[p]) for p, _ in groups], kv=kv)
+    ids = torch.zeros(len(suffixes), max(map(len, suffixes)), dtype=torch.long)
+    for b, suffix in enumerate(suffixes):
+        ids[b, : len(suffix)] = suffix
+    return capture(ids, torch.tensor([len(s) for s in suffixes]), past=past)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", LLAMA_FAMILY)
+def test_grouped_past_matches_the_full_forward(saved_model, arch, dtype):
+    model = load_target(saved_model(arch), dtype=dtype, attn_implementation="sdpa")
+    capture = make_capture(model, [0, 3, 6])
+    generator = torch.Generator().manual_seed(3)
+    tokens = lambda n: torch.randint(0, VOCAB, (n,), generator=generator)
+    prefixes = [tokens(17), tokens(5)]
+    groups = [(0, [tokens(n) for n in (6, 13, 1)]), (None, [tokens(9)]), (1, [tokens(n) for n in (20, 2)])]
+
+    output = grouped_continuation(capture, prefixes, groups)
+
+    b = 0
+    for prefix, suffixes in groups:
+        for suffix in suffixes:
+            sequence = suffix if prefix is None else torch.cat([prefixes[prefix], suffix])
+            with torch.inference_mode():
+                hidden = model(sequence[None], output_hidden_states=True).hidden_states
+            n, p = len(suffix), len(sequence) - len(suffix)
+            for slot, layer in enumerate([0, 3, 6]):
+                assert_states_close(output.aux_hidden_states[b, :n, slot * 64:(slot + 1) * 64],
+                                    hidden[layer + 1][0, p:], f"row {b} aux layer {layer}")
+            assert_states_close(output.last_hidden_state[b, :n], hidden[-1][0, p:], f"row {b} last hidden state")
+            b += 1
+
+
+def test_grouped_past_keeps_sliding_windows():
+    """A window shorter than a group's span takes the masked fallback; its rows still equal the full forward."""
+    config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, sliding_window=4)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    generator = torch.Generator().manual_seed(4)
+    prefixes = [torch.randint(0, VOCAB, (6,), generator=generator)]
+    suffixes = [torch.randint(0, VOCAB, (n,), generator=generator) for n in (8, 3)]
+    output = grouped_continuation(make_capture(model, [1, 2]), prefixes, [(0, suffixes)])
+    for b, suffix in enumerate(suffixes):
+        with torch.inference_mode():
+            hidden = model(torch.cat([prefixes[0], suffix])[None], output_hidden_states=True).hidden_states
+        torch.testing.assert_close(output.last_hidden_state[b, :len(suffix)], hidden[-1][0, 6:])
+
+
+@pytest.mark.parametrize("batch_tokens", [4096, 40])  # one batch per level / many batches mixing pasts
+def test_reuse_runner_rows_equal_the_plain_capture_on_a_deep_tree(saved_model, batch_tokens):
+    """Per-turn chains (3 levels) beside unshared rows and a duplicate: rows equal the plain capture's, fp32."""
+    capture = make_capture(load_target(saved_model("llama"), dtype="float32"), [0, 3, 6])
+    generator = torch.Generator().manual_seed(5)
+    tokens = lambda n: torch.randint(0, VOCAB, (n,), generator=generator).tolist()
+    turns = [tokens(n) for n in (30, 20, 25)]
+    sequences = [sum(turns[:k], []) + tokens(5 + k) for k in range(1, 4)] + [turns[0] + tokens(7)]
+    sequences += [tokens(12), tokens(33), sequences[1]]
+    samples = [TokenizedSample(sample_id=f"s{i}", source_index=i, input_ids=seq, loss_mask=[1] * len(seq))
+               for i, seq in enumerate(sequences)]
+    plan = plan_prefixes(sequences, min_tokens=4)
+    assert max(node.level for node in plan.nodes) == 2 and reuse_pays(plan)
+
+    rows = {row["sample_id"]: row for batch, _ in capture_with_prefix_reuse(
+        capture, samples, plan, batch_tokens=batch_tokens, max_batch_size=64, cache_tokens=1, pad_id=0,
+        device=torch.device("cpu")) for row in batch}
+
+    assert sorted(rows) == sorted(s.sample_id for s in samples)
+    for sample in samples:
+        full = capture(torch.tensor([sample.input_ids]), torch.tensor([len(sample)]))
+        torch.testing.assert_close(rows[sample.sample_id]["aux_hidden_states"], full.aux_hidden_states[0])
+        torch.testing.assert_close(rows[sample.sample_id]["last_hidden_state"], full.last_hidden_state[0])
+
+
+def test_reuse_runs_only_where_it_pays(tmp_path):
+    """No shared prefix worth keeping: the unit takes the plain path (tokens computed == emitted) with equal rows."""
+    assert not reuse_pays(plan_prefixes([[1, 2, 3], [4, 5, 6]], min_tokens=1))
+    assert reuse_pays(plan_prefixes([list(range(100)) + [1], list(range(100)) + [2]], min_tokens=1))
+    assert not reuse_pays(plan_prefixes([list(range(4)) + list(range(200, 300)), list(range(4)) + list(range(300, 400))],
+                                        min_tokens=1))  # 4 of 208 tokens saved: below MIN_SAVING
+    model = build_tiny_model("llama", tmp_path / "model", vocab_size=2048, dtype=torch.bfloat16,
+                             tokenizer_dir=ASSETS_DIR / "tokenizer")
+    data = write_jsonl(tmp_path / "chat.jsonl", conversations([1, 1, 1], system=False, reasoning=False))
+    manifest = generate(model, tmp_path / "reuse", data, "capture.prefix_min_tokens=64")
+    report = manifest["prefix_reuse"]
+    assert report["enabled"] and report["tokens_computed"] == report["tokens_emitted"]
+    generate(model, tmp_path / "full", data, "capture.prefix_reuse=false")
+    assert_same_rows(rows_by_id(tmp_path / "reuse"), rows_by_id(tmp_path / "full"), exact=True)

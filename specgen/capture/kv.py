@@ -82,3 +82,89 @@ def continuation_mask(past_lengths: torch.LongTensor, seq_len: int, *, window: i
     if attn_implementation == "sdpa":
         return allowed
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+# --- grouped pasts: the fast continuation path of shared-prefix reuse ------------------------------------------------
+
+GROUPED_ATTENTION = "specgen_grouped_past"  # the attention implementation name a grouped continuation runs under
+
+
+@dataclass
+class GroupedPast:
+    """A batch whose rows are grouped by the past they continue (shared-prefix reuse's own layout).
+
+    Rows [bounds[g], bounds[g + 1]) continue the same `lengths[g]` earlier tokens, whose keys and values for decoder
+    layer i are `kv[g][i]`, each [kv_heads, lengths[g], head_dim]: ONE copy per group, kept in that layout by the
+    caller, never gathered or padded per row. A group with length 0 (kv None) starts at position 0.
+
+    Attention then splits exactly into two parts that both run on SDPA's fused CPU kernel (no mask tensor):
+      new tokens   every row against its own new keys, `is_causal` (q_len == kv_len, so the triangle is right);
+      past tokens  every group's queries, folded into one long query sequence, against the group's past keys,
+                   no mask at all (every new token sees the whole past);
+    and the two softmax halves are merged by their log-sum-exps: out = o_new + sigmoid(lse_past - lse_new) *
+    (o_past - o_new), in float32. On other devices, or on sliding-window layers whose window is shorter than a
+    group's span, a group falls back to one SDPA call with an explicit [T, past + T] mask shared by its rows.
+    """
+
+    bounds: list[int]
+    lengths: list[int]
+    kv: list[list[LayerKV] | None]
+
+    def row_lengths(self, device: torch.device) -> torch.LongTensor:
+        """Each row's past length, [B]."""
+        counts = [hi - lo for lo, hi in zip(self.bounds, self.bounds[1:])]
+        return torch.repeat_interleave(torch.tensor(self.lengths), torch.tensor(counts)).to(device)
+
+
+def _fused_cpu(query, key, value, causal: bool, scale: float):
+    """SDPA's fused CPU kernel (flash-style, GQA-aware): (out [B, H, q, d], log-sum-exp [B, H, q] float32)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, scale=scale)
+
+
+def _masked_group(query, key, value, past_keys, past_values, scale: float, window: int | None) -> torch.Tensor:
+    """One group's attention over [past ; new] with an explicit mask (fallback): [n, H, T, d]."""
+    n, _, seq_len, _ = query.shape
+    past = past_keys.shape[1] if past_keys is not None else 0
+    if past:
+        key = torch.cat([past_keys[None].expand(n, -1, -1, -1), key], dim=2)
+        value = torch.cat([past_values[None].expand(n, -1, -1, -1), value], dim=2)
+    query_position = past + torch.arange(seq_len, device=query.device)
+    key_position = torch.arange(past + seq_len, device=query.device)
+    allowed = key_position[None, :] <= query_position[:, None]
+    if window is not None:
+        allowed &= query_position[:, None] - key_position[None, :] < window
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed[None, None],
+                                                            scale=scale, enable_gqa=True)
+
+
+def grouped_past_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask, scaling: float | None = None, dropout: float = 0.0,
+                           grouped_past: GroupedPast | None = None, sliding_window: int | None = None,
+                           **kwargs) -> tuple[torch.Tensor, None]:
+    """HF attention interface (registered as GROUPED_ATTENTION): query [B, H, T, d]; key/value [B, kv_heads, T, d]
+    of the NEW tokens only; the past comes from `grouped_past` (see `GroupedPast`). Returns ([B, T, H, d], None)."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    seq_len, layer = query.shape[2], module.layer_idx
+    fused = query.device.type == "cpu"
+    window = sliding_window if sliding_window is not None and sliding_window < max(grouped_past.lengths) + seq_len \
+        else None
+    if fused and window is None:
+        out, new_lse = _fused_cpu(query, key, value, True, scale)
+    else:
+        out = torch.empty_like(query)
+    for g, (lo, hi) in enumerate(zip(grouped_past.bounds, grouped_past.bounds[1:])):
+        past_keys, past_values = grouped_past.kv[g][layer] if grouped_past.kv[g] is not None else (None, None)
+        if not (fused and window is None):
+            out[lo:hi] = _masked_group(query[lo:hi], key[lo:hi], value[lo:hi], past_keys, past_values, scale, window)
+            continue
+        if past_keys is None:
+            continue
+        n, heads, _, dim = query[lo:hi].shape
+        folded = query[lo:hi].transpose(0, 1).reshape(1, heads, n * seq_len, dim)
+        past_out, past_lse = _fused_cpu(folded, past_keys[None], past_values[None], False, scale)
+        past_out = past_out.view(heads, n, seq_len, dim).transpose(0, 1)
+        past_lse = past_lse.view(heads, n, seq_len).transpose(0, 1)
+        weight = torch.sigmoid(past_lse - new_lse[lo:hi]).unsqueeze(-1)
+        new_out = out[lo:hi].float()
+        out[lo:hi] = new_out.add_(weight * (past_out.float() - new_out))
+    return out.transpose(1, 2).contiguous(), None

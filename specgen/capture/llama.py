@@ -16,13 +16,16 @@ import torch
 import transformers
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from specgen.capture.kv import EXPLICIT_MASK_ATTENTION, KVRecorder, PastKV, continuation_mask
+from specgen.capture.kv import (EXPLICIT_MASK_ATTENTION, GROUPED_ATTENTION, GroupedPast, KVRecorder, PastKV,
+                               continuation_mask, grouped_past_attention)
 from specgen.capture.target import CaptureOutput, TargetCapture
 from specgen.errors import SpecgenError
 
 LLAMA_FAMILY = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
 })
+
+transformers.AttentionInterface.register(GROUPED_ATTENTION, grouped_past_attention)
 
 _MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
@@ -57,7 +60,9 @@ class LlamaFamilyCapture(TargetCapture):
         return self.model.config._attn_implementation in EXPLICIT_MASK_ATTENTION
 
     def _forward(self, input_ids: torch.LongTensor, past_key_values: transformers.Cache | None = None,
-                 past: PastKV | None = None, keep_kv: bool = False) -> CaptureOutput:
+                 past: PastKV | GroupedPast | None = None, keep_kv: bool = False) -> CaptureOutput:
+        if isinstance(past, GroupedPast):
+            return self._forward_grouped(input_ids, past, keep_kv)
         body = self.model.model
         hidden_state = body.embed_tokens(input_ids)
         offset = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -88,3 +93,27 @@ class LlamaFamilyCapture(TargetCapture):
             self._keep_if_requested(aux, index, hidden_state)
         return CaptureOutput(aux_hidden_states=aux, last_hidden_state=body.norm(hidden_state),
                              kv=recorder.kept_layers(self.num_layers) if recorder is not None else None)
+
+    def _forward_grouped(self, input_ids: torch.LongTensor, past: GroupedPast, keep_kv: bool) -> CaptureOutput:
+        """Rows continuing grouped pasts (`specgen.capture.kv.GroupedPast`): the decoder layers run with the
+        grouped-past attention, which needs no mask and attends to each group's past in place."""
+        body = self.model.model
+        hidden_state = body.embed_tokens(input_ids)
+        position_ids = (past.row_lengths(input_ids.device)[:, None]
+                        + torch.arange(input_ids.shape[1], device=input_ids.device)[None, :])
+        position_embeddings = body.rotary_emb(hidden_state, position_ids)
+        recorder = KVRecorder(None, keep_kv)  # hands the new keys/values straight to the attention, keeps them
+        aux = self._new_aux_buffer(input_ids)
+        config = self.model.config
+        implementation, config._attn_implementation = config._attn_implementation, GROUPED_ATTENTION
+        try:
+            for index, decoder_layer in enumerate(body.layers[:self.num_layers]):
+                output = decoder_layer(hidden_state, attention_mask=None, position_ids=position_ids,
+                                       position_embeddings=position_embeddings, past_key_values=recorder,
+                                       use_cache=True, grouped_past=past)
+                hidden_state = output[0] if isinstance(output, tuple) else output
+                self._keep_if_requested(aux, index, hidden_state)
+        finally:
+            config._attn_implementation = implementation
+        return CaptureOutput(aux_hidden_states=aux, last_hidden_state=body.norm(hidden_state),
+                             kv=recorder.kept_layers(self.num_layers))

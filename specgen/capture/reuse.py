@@ -3,14 +3,23 @@ continues from its prefix's KV cache.
 
 `specgen.data.prefixes.plan_prefixes` gives the prefix tree. Because the model is causal, a prefix's states are the
 same in every sample that starts with it, so a sample's row is its prefix chain's states followed by the states of
-its own suffix, computed with the chain's keys and values as the past (`specgen.capture.kv`). Rows come out exactly
-as a full forward would give them (within the dtype's rounding: a batch of other shapes runs other kernels).
+its own suffix, computed with the chain's keys and values as the past (`specgen.capture.kv.GroupedPast`). Rows come
+out as a full forward gives them, within the dtype's rounding (other batch shapes run other kernels, and the
+attention over [past ; new] is merged from two fused calls).
 
-Work runs in waves of whole prefix trees whose KV (the prefix segments, kept on the device until the wave ends)
-fits `cache_tokens`; within a wave, level by level: level 0 runs the top-level prefixes and the samples that share
-no prefix from position 0, level k the prefixes and sample suffixes that continue a level k-1 prefix. Each level is
-split into batches like the plain path (longest first, `batch_tokens` bounding batch size x (past + new tokens), so
-attention spans no more than the plain path's).
+Where the time goes, and how this path keeps it low (measured: README "Shared-prefix reuse"):
+  * attention stays on SDPA's fused kernel: the new tokens attend causally to themselves (`is_causal`, no mask) and
+    each group of rows continuing one prefix attends, folded into one query sequence, to that prefix's keys (no
+    mask); the halves are merged by log-sum-exp. No [B, 1, q, past + q] mask is ever built.
+  * a prefix's keys and values are kept as its whole chain ([kv heads, prefix length, head dim] per layer, made
+    once when the prefix is computed), which is what the attention call reads: nothing is gathered, padded or
+    concatenated per batch, and a row never carries its past as padding.
+  * one level of the tree is one set of batches: the prefix segments and the sample suffixes that continue the
+    level above run together, longest first under `batch_tokens` (new tokens only, like the plain path), so batches
+    are as full as the plain path's; rows are grouped by prefix within a batch.
+  * a level's prefixes are dropped once the level below has run (only they continue them).
+
+Work runs in waves of whole prefix trees whose chain KV fits `cache_tokens` (a larger tree goes alone).
 """
 
 from collections.abc import Iterator, Sequence
@@ -18,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specgen.capture.kv import LayerKV, PastKV
+from specgen.capture.kv import GroupedPast, LayerKV
 from specgen.capture.target import TargetCapture
 from specgen.data.batching import pad_right
 from specgen.data.prefixes import PrefixPlan
@@ -42,18 +51,19 @@ class _Item:
 def capture_with_prefix_reuse(capture: TargetCapture, samples: Sequence[TokenizedSample], plan: PrefixPlan, *,
                               batch_tokens: int, max_batch_size: int, cache_tokens: int, pad_id: int,
                               device: torch.device) -> Iterator[tuple[list[dict], int]]:
-    """Yield (finished rows, padded tokens forwarded) per batch, like the plain path; rows hold full states."""
+    """Yield (finished rows, padded tokens forwarded) per batch, like the plain path; rows hold full states
+    (`aux_hidden_states`, `last_hidden_state` as CPU tensors of the row's length)."""
     run = _UnitRun(capture, samples, plan, batch_tokens, max_batch_size, pad_id, device)
     for wave, trees in enumerate(_waves(plan, cache_tokens)):
         yield from run.wave(trees, with_unshared=wave == 0)
 
 
 def _waves(plan: PrefixPlan, cache_tokens: int) -> list[set[int]]:
-    """Top-level prefixes grouped so that each group's prefix KV fits `cache_tokens` (a larger tree goes alone)."""
+    """Top-level prefixes grouped so that each group's chain KV fits `cache_tokens` (a larger tree goes alone)."""
     cost: dict[int, int] = {}
     for index, node in enumerate(plan.nodes):
         top = plan.top_level(index)
-        cost[top] = cost.get(top, 0) + node.end - node.start
+        cost[top] = cost.get(top, 0) + node.end
     waves, used = [set()], 0
     for top, tokens in cost.items():
         if waves[-1] and used + tokens > cache_tokens:
@@ -65,13 +75,13 @@ def _waves(plan: PrefixPlan, cache_tokens: int) -> list[set[int]]:
 
 
 class _UnitRun:
-    """The state of one work unit's capture: the plan, and the current wave's prefix KV (device) and states (CPU)."""
+    """The state of one work unit's capture: the plan, the prefix chains' KV (device) and segment states (CPU)."""
 
     def __init__(self, capture, samples, plan, batch_tokens, max_batch_size, pad_id, device):
         self.capture, self.samples, self.plan = capture, samples, plan
         self.batch_tokens, self.max_batch_size = batch_tokens, max_batch_size
         self.pad_id, self.device = pad_id, device
-        self.kv: dict[int, list[LayerKV]] = {}  # prefix node -> its segment's keys/values per layer
+        self.kv: dict[int, list[LayerKV]] = {}  # prefix node -> its whole chain's keys/values per layer
         self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # prefix node -> its segment's (aux, last)
 
     def wave(self, trees: set[int], with_unshared: bool) -> Iterator[tuple[list[dict], int]]:
@@ -81,81 +91,79 @@ class _UnitRun:
                     for i, sample in enumerate(self.samples)
                     if (with_unshared if plan.sample_node[i] is None else plan.top_level(plan.sample_node[i]) in trees)]
         for level in range(max((plan.nodes[i].level for i in nodes), default=-1) + 2):
-            segments = [_Item(plan.nodes[i].source, plan.nodes[i].start, plan.nodes[i].end, plan.nodes[i].parent, i)
-                        for i in nodes if plan.nodes[i].level == level]
-            for batch in self._batches(segments):
-                _, _, padded = self._forward(batch, keep_kv=True)
-                yield [], padded
-            level_suffixes = [item for item in suffixes if self._level(item.past) == level]
+            items = [_Item(plan.nodes[i].source, plan.nodes[i].start, plan.nodes[i].end, plan.nodes[i].parent, i)
+                     for i in nodes if plan.nodes[i].level == level]
+            items += [item for item in suffixes if self._level(item.past) == level]
             # A sample that is exactly a shared prefix (a duplicate, or a prefix of another sample) computes nothing.
-            empty = [item for item in level_suffixes if not len(item)]
+            empty = [item for item in items if not len(item)]
             if empty:
                 yield [self._row(item, None) for item in empty], 0
-            for batch in self._batches([item for item in level_suffixes if len(item)]):
-                aux, last, padded = self._forward(batch, keep_kv=False)
-                yield [self._row(item, (aux[b, :len(item)], last[b, :len(item)])) for b, item in enumerate(batch)], padded
+            for batch in self._batches([item for item in items if len(item)]):
+                aux, last, padded = self._forward(batch)
+                yield [self._row(item, (aux[b, :len(item)], last[b, :len(item)]))
+                       for b, item in enumerate(batch) if item.node is None], padded
+            for node in [node for node in self.kv if plan.nodes[node].level < level]:
+                del self.kv[node]  # only the level just run continued them
         self.kv, self.states = {}, {}
 
     def _level(self, node: int | None) -> int:
         return 0 if node is None else self.plan.nodes[node].level + 1
 
     def _batches(self, items: list[_Item]) -> list[list[_Item]]:
-        """Longest first; each batch keeps batch size x (longest past + longest new) within the token budget."""
+        """Longest first under `batch_tokens` (batch size x longest new tokens) and `max_batch_size`, and a row joins a
+        batch only while the batch's padding stays within MAX_PADDING of its real tokens (a level's rows range from
+        whole samples to a few tokens: without this bound their padding costs more than the reuse saves); within a
+        batch, rows continuing the same prefix are next to each other."""
         batches: list[list[_Item]] = []
-        longest_past = 0
-        for item in sorted(items, key=lambda it: (-len(it), -it.start, it.source)):
+        real = 0
+        for item in sorted(items, key=lambda it: (-len(it), it.source, it.start)):
             if batches:
-                batch = batches[-1]
-                span = max(longest_past, item.start) + len(batch[0])
-                if (len(batch) + 1) * span <= self.batch_tokens and len(batch) < self.max_batch_size:
-                    batch.append(item)
-                    longest_past = max(longest_past, item.start)
+                size, longest = len(batches[-1]) + 1, len(batches[-1][0])
+                if (size * longest <= self.batch_tokens and size <= self.max_batch_size
+                        and size * longest <= (1 + MAX_PADDING) * (real + len(item))):
+                    batches[-1].append(item)
+                    real += len(item)
                     continue
             batches.append([item])
-            longest_past = item.start
-        return batches
+            real = len(item)
+        return [sorted(batch, key=lambda it: -1 if it.past is None else it.past) for batch in batches]
 
-    def _forward(self, batch: list[_Item], keep_kv: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Run one batch; return its states on the CPU and its padded size. With keep_kv, the prefix segments it
-        computes keep their keys/values and states for the levels below."""
+    def _forward(self, batch: list[_Item]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Run one batch; return its states on the CPU and its padded size. The prefix segments it computes keep
+        their chain's keys/values (device) and their states (CPU) for the levels below."""
         lengths = [len(item) for item in batch]
         input_ids = pad_right([self.samples[item.source].input_ids[item.start:item.end] for item in batch],
                               self.pad_id)
-        past = None
-        if batch[0].past is not None:  # level 0 continues nothing, every deeper level continues a prefix
-            past = PastKV(lengths=torch.tensor([item.start for item in batch], device=self.device),
-                          layer=self._past_layer([item.past for item in batch]))
-        result = self.capture(input_ids.to(self.device), torch.tensor(lengths, device=self.device), past=past,
-                              keep_kv=keep_kv)
+        keep = any(item.node is not None for item in batch)
+        past = self._grouped_past(batch)
+        result = self.capture(input_ids.to(self.device), torch.tensor(lengths), past=past, keep_kv=keep)
         aux, last = result.aux_hidden_states.cpu(), result.last_hidden_state.cpu()
         for b, item in enumerate(batch):
             if item.node is not None:
                 n = len(item)
-                self.kv[item.node] = [(keys[b, :, :n].clone(), values[b, :, :n].clone()) for keys, values in result.kv]
+                parent = self.kv.get(item.past) if item.past is not None else None
+                self.kv[item.node] = [
+                    (keys[b, :, :n].contiguous(), values[b, :, :n].contiguous()) if parent is None else
+                    (torch.cat([parent[layer][0], keys[b, :, :n]], dim=1),
+                     torch.cat([parent[layer][1], values[b, :, :n]], dim=1))
+                    for layer, (keys, values) in enumerate(result.kv)]
                 self.states[item.node] = (aux[b, :n].clone(), last[b, :n].clone())
         return aux, last, len(batch) * max(lengths)
 
-    def _past_layer(self, pasts: list[int]):
-        """Layer -> the batch's past keys/values: each row's prefix chain concatenated, right-padded."""
-        rows_by_node: dict[int, list[int]] = {}
-        for b, node in enumerate(pasts):
-            rows_by_node.setdefault(node, []).append(b)
-        chains = {node: self.plan.chain(node) for node in rows_by_node}
-        longest = max(self.plan.nodes[node].end for node in rows_by_node)
-
-        def layer(index: int) -> LayerKV:
-            first_keys = self.kv[pasts[0]][index][0]
-            shape = (len(pasts), first_keys.shape[0], longest, first_keys.shape[2])
-            keys, values = first_keys.new_zeros(shape), first_keys.new_zeros(shape)
-            for node, rows in rows_by_node.items():
-                chain_keys = torch.cat([self.kv[m][index][0] for m in chains[node]], dim=1)
-                chain_values = torch.cat([self.kv[m][index][1] for m in chains[node]], dim=1)
-                rows = torch.tensor(rows, device=keys.device)
-                keys[rows, :, :chain_keys.shape[1]] = chain_keys
-                values[rows, :, :chain_values.shape[1]] = chain_values
-            return keys, values
-
-        return layer
+    def _grouped_past(self, batch: list[_Item]) -> GroupedPast | None:
+        """The batch's rows (already grouped by prefix) as groups continuing one prefix chain each; None when no
+        row continues anything."""
+        if all(item.past is None for item in batch):
+            return None
+        bounds, lengths, kv = [0], [], []
+        for b, item in enumerate(batch):
+            if b and item.past == batch[b - 1].past:
+                bounds[-1] = b + 1
+                continue
+            bounds.append(b + 1)
+            lengths.append(0 if item.past is None else self.plan.nodes[item.past].end)
+            kv.append(None if item.past is None else self.kv[item.past])
+        return GroupedPast(bounds=bounds, lengths=lengths, kv=kv)
 
     def _row(self, item: _Item, suffix: tuple[torch.Tensor, torch.Tensor] | None) -> dict:
         """The sample's full row: its prefix chain's states followed by its own."""
@@ -165,3 +173,17 @@ class _UnitRun:
                 "loss_mask": sample.loss_mask,
                 "aux_hidden_states": torch.cat([aux for aux, _ in parts]),
                 "last_hidden_state": torch.cat([last for _, last in parts])}
+
+
+# A batch's padded tokens stay within this share of its real tokens (measured: README "Shared-prefix reuse").
+MAX_PADDING = 0.1
+
+# Reuse a unit's prefixes only when they save at least this share of its tokens. Below it the reuse path's own
+# costs (a level's batches split from the next, two attention calls merged per layer, rows assembled from parts)
+# outweigh the saving, and the plain path gives the same rows (README "Shared-prefix reuse", the reuse rule).
+MIN_SAVING = 0.05
+
+
+def reuse_pays(plan: PrefixPlan) -> bool:
+    """Whether capturing with `plan` is expected to beat the plain path: it saves at least MIN_SAVING of the tokens."""
+    return bool(plan.nodes) and plan.tokens_computed <= (1 - MIN_SAVING) * plan.tokens_emitted

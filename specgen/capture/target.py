@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 import transformers
 
-from specgen.capture.kv import LayerKV, PastKV
+from specgen.capture.kv import GroupedPast, LayerKV, PastKV
 from specgen.capture.layers import default_aux_layers, validate_aux_layers
 from specgen.errors import SpecgenError
 
@@ -129,7 +129,7 @@ class TargetCapture(ABC):
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.LongTensor, lengths: torch.LongTensor, chunk_tokens: int | None = None,
-                 past: PastKV | None = None, keep_kv: bool = False) -> CaptureOutput:
+                 past: PastKV | GroupedPast | None = None, keep_kv: bool = False) -> CaptureOutput:
         """Capture a RIGHT-padded batch: input_ids [B, T], lengths [B] real tokens per row (1..T).
 
         With right padding every padding key comes after every real query, so the causal mask
@@ -151,14 +151,16 @@ class TargetCapture(ABC):
             return self._forward(input_ids)
         return self._forward_in_chunks(input_ids, chunk_tokens)
 
-    def _continue(self, input_ids: torch.LongTensor, lengths: torch.LongTensor, past: PastKV | None,
+    def _continue(self, input_ids: torch.LongTensor, lengths: torch.LongTensor, past: PastKV | GroupedPast | None,
                   keep_kv: bool) -> CaptureOutput:
         """Shared-prefix reuse: rows continue their own prefix's keys and values (see `specgen.capture.kv`)."""
         if not self.supports_kv:
             raise SpecgenError(f"the {self.backend} capture backend with attn_implementation="
                                f"{self.model.config._attn_implementation} cannot continue from a KV cache; use a "
                                f"Llama-family model with model.attn_implementation=sdpa or eager")
-        if past is not None and past.lengths.shape != lengths.shape:
+        if isinstance(past, GroupedPast) and past.bounds[-1] != len(lengths):
+            raise ValueError(f"the grouped past covers {past.bounds[-1]} rows, the batch has {len(lengths)}")
+        if isinstance(past, PastKV) and past.lengths.shape != lengths.shape:
             raise ValueError(f"past.lengths has shape {tuple(past.lengths.shape)}, expected {tuple(lengths.shape)}")
         return self._forward(input_ids, past=past, keep_kv=keep_kv)
 

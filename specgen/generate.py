@@ -221,7 +221,7 @@ def owned_units(cfg: DictConfig, records: Iterable[SourceRecord], chat: ChatTemp
 
 def unit_batches(cfg: DictConfig, unit: PreparedUnit, target: Target, plan, device: torch.device,
                  top_counts: torch.Tensor | None = None):
-    """The unit's captured batches, computed in full or (given a plan) continuing shared prefixes from their KV cache."""
+    """The unit's captured batches: computed in full, or (given a plan) continuing shared prefixes from their KV."""
     head_chunk = cfg.capture.lm_head_chunk_tokens
     if plan is None:
         yield from capture_batches(target, unit.samples, batch_tokens=cfg.capture.batch_tokens,

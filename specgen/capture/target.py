@@ -136,7 +136,8 @@ class TargetCapture(ABC):
         alone keeps real positions exact; padding positions are computed but meaningless.
         chunk_tokens: run at most this many positions per forward (chunked prefill with a KV cache,
         see `_forward_in_chunks`); None runs the whole sequence at once. Not combined with `past`/`keep_kv`.
-        past: row b continues `past.lengths[b]` earlier tokens (its positions start there).
+        past: `PastKV`: row b continues `past.lengths[b]` earlier tokens (its positions start there);
+        `GroupedPast`: rows grouped by the one past each group continues (the reuse runner's layout).
         keep_kv: also return the keys and values of input_ids (`CaptureOutput.kv`) to continue from later.
         """
         if input_ids.dim() != 2 or lengths.shape != input_ids.shape[:1]:

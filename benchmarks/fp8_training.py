@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 from statistics import mean
 
+from specgen.assets import ASSETS_DIR
+
 REPO = Path(__file__).resolve().parent.parent
 CODECS = {"bf16": [], "fp8": ["output.codec=fp8"]}
 
@@ -52,6 +54,7 @@ def final_metrics(train_dir: Path, tail: float = 0.2) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True, help="a trained target model folder")
+    parser.add_argument("--data", default=str(ASSETS_DIR / "chat" / "train.jsonl"), help="conversations (data.path)")
     parser.add_argument("--rows", type=int, default=400)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--epochs", type=int, default=2)
@@ -68,7 +71,8 @@ def main() -> None:
         results, bytes_per_token = {}, {}
         for codec, overrides in CODECS.items():
             shards = work / f"shards-{codec}"
-            stage("generate", f"model.path={args.target}", f"output.dir={shards}", f"data.max_rows={args.rows}",
+            stage("generate", f"model.path={args.target}", f"data.path={args.data}", f"output.dir={shards}",
+                  f"data.max_rows={args.rows}",
                   f"data.max_length={args.max_length}", *overrides)
             bytes_per_token[codec] = json.loads((shards / "manifest.json").read_text())["stats"]["bytes_per_token"]
             for seed in args.seeds:

@@ -148,7 +148,8 @@ def stage_main(config_name: str) -> Callable[[Callable[[DictConfig], object]], C
                     compose(config_name, user_args)  # every config error in one line, before Hydra makes a run dir
                 sys.argv = [sys.argv[0], *_hydra_argv(sys.argv[1:], config_name)]
             except SpecgenError as err:
-                sys.exit(f"error: {err}")
+                print(f"error: {err}", file=sys.stderr)
+                sys.exit(2)
             task()
 
         return main

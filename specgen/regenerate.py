@@ -26,7 +26,7 @@ from specgen.config import stage_main, to_container
 from specgen.data.template import chat_template_sha256
 from specgen.distributed import Workers, init_workers
 from specgen.errors import SpecgenError
-from specgen.data.sources import capped_source, work_units
+from specgen.data.sources import CappedSource, capped_source, work_units
 from specgen.runtime import load_tokenizer
 from specgen.outdir import claim_output_dir
 from specgen.progress import Progress, format_table
@@ -219,17 +219,15 @@ def run(cfg: DictConfig) -> dict | None:
                            "folder (config.json + weights)")
     # A wrong data.path fails here, before the model loads and the output directory is claimed.
     source = capped_source(cfg.data.path, cfg.data.max_rows)
-    records, total = source.records, source.expected_rows
     workers = init_workers(cfg.runtime.device)
     out_dir = Path(cfg.output.dir)
     # Before anything else touches output.dir: another live job on it is refused here, in one line.
     with hold_job_lease(out_dir, stage="regenerate", is_main=workers.is_main, broadcast=workers.broadcast,
                         stale_s=cfg.output.lease_stale_s) as lease:
-        return regenerate_into(cfg, out_dir, workers, lease, records, total)
+        return regenerate_into(cfg, out_dir, workers, lease, source)
 
 
-def regenerate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease, records,
-                    total: int | None) -> dict | None:
+def regenerate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease, source: CappedSource) -> dict | None:
     """The job once its main process holds the lease on `out_dir` (`lease.check()` before each commit)."""
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     model = load_model(cfg, workers.device)
@@ -244,10 +242,10 @@ def regenerate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease, rec
     workers.barrier()  # the others start once the directory is claimed (and cleared on overwrite)
     done = finished_parts(out_dir)
 
-    progress = Progress(owned_rows(total, cfg.output.shard_size, workers), desc="regenerate",
+    progress = Progress(owned_rows(source.expected_rows, cfg.output.shard_size, workers), desc="regenerate",
                         enabled=cfg.runtime.progress and workers.is_main)
     units, new_tokens, rows = [], 0, 0
-    for unit, unit_records in work_units(records, cfg.output.shard_size):
+    for unit, unit_records in work_units(source.records, cfg.output.shard_size):
         units.append(unit)
         if not workers.owns(unit):
             continue

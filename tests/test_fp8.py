@@ -139,4 +139,4 @@ def test_fp8_dataset_from_the_bundled_target(tmp_path):
             assert bool(((got["aux_hidden_states"].float() - want["aux_hidden_states"].float()).abs() <= bound).all())
 
     from specgen.verify import run as verify_run
-    verify_run(compose("verify", [f"output.dir={tmp_path / 'fp8'}", "verify.samples=2"]))  # fp8 tolerance applies
+    verify_run(compose("verify", [f"data.shards={tmp_path / 'fp8'}", "verify.samples=2"]))  # fp8 tolerance applies

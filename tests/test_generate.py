@@ -120,7 +120,8 @@ def test_a_second_job_on_a_live_directory_is_refused_and_the_first_is_unharmed(s
     reference = tmp_path / "reference"
     generate(small_target, reference, "capture.batch_tokens=256")  # the same batches: bit-identical rows
     busy = tmp_path / "busy"
-    cmd = [sys.executable, "-m", "specgen.generate", f"model.path={small_target}", f"output.dir={busy}",
+    cmd = [sys.executable, "-m", "specgen.generate", f"model.path={small_target}", f"data.path={BUNDLED_CHAT}",
+           f"output.dir={busy}",
            "runtime.progress=false", "data.max_rows=24", "output.shard_size=8", "capture.batch_tokens=256"]
     first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -156,7 +157,8 @@ def test_a_full_disk_mid_shard_is_one_line_and_a_rerun_resumes(small_target, tmp
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     full = tmp_path / "full"
-    cmd = [sys.executable, "-m", "specgen.generate", f"model.path={small_target}", f"output.dir={full}", *args]
+    cmd = [sys.executable, "-m", "specgen.generate", f"model.path={small_target}", f"data.path={BUNDLED_CHAT}",
+           f"output.dir={full}", *args]
     failed = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, preexec_fn=limited)
     assert failed.returncode == 2
     lines = failed.stderr.strip().splitlines()
@@ -281,7 +283,7 @@ def test_a_flipped_low_order_bit_fails_verify_naming_the_shard(small_target, tmp
     assert len(open_shards(out)) == manifest["stats"]["samples"]  # the damage is invisible to a plain read
     with pytest.raises(SpecgenError, match="shard-00000.arrow.*shard-00002.arrow"):
         open_shards(out, verify=True)
-    bad = subprocess.run([sys.executable, "-m", "specgen.verify", f"output.dir={out}", "verify.samples=0"], cwd=REPO,
+    bad = subprocess.run([sys.executable, "-m", "specgen.verify", f"data.shards={out}", "verify.samples=0"], cwd=REPO,
                          capture_output=True, text=True)
     assert bad.returncode == 1
     problems = [line for line in bad.stderr.splitlines() if line.startswith("  - ")]

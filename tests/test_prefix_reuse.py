@@ -298,7 +298,7 @@ def test_store_once_reads_back_equal_to_the_flat_layout(qwen3_target, tmp_path):
     assert sum(row["prefix_len"] for row in ds) > 0
     assert set(open_shards(tmp_path / "once")[0]) == {"sample_id", "input_ids", "loss_mask", "aux_hidden_states",
                                                       "last_hidden_state"}
-    verify(compose("verify", [f"output.dir={tmp_path / 'once'}", "verify.samples=3"]))  # exits non-zero on a problem
+    verify(compose("verify", [f"data.shards={tmp_path / 'once'}", "verify.samples=3"]))  # exits non-zero on a problem
 
 
 def test_gpt2_falls_back_to_full_rows_and_can_still_store_prefixes_once(tmp_path, caplog):

@@ -98,7 +98,8 @@ def train(args: argparse.Namespace) -> Path:
             "--draft-vocab-size", str(args.draft_vocab_size), "--ttt-steps", "4", "--epochs", "2", "--lr", "5e-3",
             "--total-seq-len", "1024", "--train-data-ratio", "0.999", "--num-workers", "0",
             "--hidden-states-dtype", "float32", "--draft-attn-impl", "eager", "--seed", str(args.seed),
-            "--loss-implementation", "eager", "--logger", "", "--log-dir", str(work / "logs"), "--num-layers", "1", "--no-norm-before-fc", "--no-norm-output"]
+            "--loss-implementation", "eager", "--logger", "", "--log-dir", str(work / "logs"), "--num-layers", "1",
+            "--no-norm-before-fc", "--no-norm-output"]
     argv.append("--norm-before-residual" if args.norm_before_residual else "--no-norm-before-residual")
     if args.max_steps:
         argv += ["--max-steps", str(args.max_steps)]

@@ -187,8 +187,8 @@ def test_layer_variants_match_a_written_out_reference(norm_before_residual):
         v = (x @ attn.v_proj.weight.T).view(1, seq_len, 2, 8).transpose(1, 2)
         cos, sin = draft.rotary_emb(hidden, positions)
         q, k = transformers.models.llama.modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
-        out = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
-                                                               is_causal=True)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1),
+                                                               v.repeat_interleave(2, 1), is_causal=True)
         residual = (normed if norm_before_residual else hidden) + out.transpose(1, 2).reshape(1, seq_len, 32) \
             @ attn.o_proj.weight.T
         mlp = layer.mlp

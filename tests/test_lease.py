@@ -69,6 +69,24 @@ def test_a_lease_left_by_kill_9_is_taken_over_at_once(tmp_path):
     assert time.monotonic() - start < 1.0
 
 
+def test_a_killed_holder_not_yet_reaped_is_gone(tmp_path):
+    """kill -9 of a launcher's worker leaves a zombie until someone reaps it: its lease is taken over all the same."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom specgen.store.lease import acquire_lease\n"
+                               f"acquire_lease({str(tmp_path)!r}, stage='generate')\nprint('held', flush=True)\n"
+                               "time.sleep(600)"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not open(f"/proc/{holder.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    try:  # not reaped: os.kill(pid, 0) still succeeds on it
+        with hold_lease(tmp_path, stage="generate") as lease:
+            assert read_lease(tmp_path).token == lease.info.token
+    finally:
+        holder.wait()
+
+
 def test_racing_takeovers_of_a_stale_lease_have_one_winner(tmp_path):
     write_lease(tmp_path, host="other-node", pid=4242, heartbeat=time.time() - 120)
     outcomes, barrier = [], threading.Barrier(8)

@@ -63,21 +63,30 @@ class LeaseInfo:
                 f"heartbeat {max(0.0, time.time() - self.heartbeat):.0f}s ago)")
 
 
-def _pid_start(pid: int) -> str | None:
+def _pid_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (None where /proc does not say)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]  # field 22: starttime (fields after the command name)
+
+
+def _pid_start(pid: int) -> str | None:
+    stat = _pid_stat(pid)
+    return None if stat is None else stat[19]  # field 22: starttime
 
 
 def _pid_alive(pid: int, pid_start: str | None) -> bool:
+    """Whether the holder still runs: a killed process that nobody has reaped yet (a zombie) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True  # exists, another user's
+    stat = _pid_stat(pid)
+    if stat is not None and stat[0] in ("Z", "X"):  # field 3: state; dead, awaiting its parent
+        return False
     return pid_start is None or _pid_start(pid) in (None, pid_start)
 
 

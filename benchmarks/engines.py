@@ -22,24 +22,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
+from common import REPO, SHARED, build_llama
 
-REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
-TOKENIZER = SHARED / "tokenizers" / "llama-3.1"
 DATA = SHARED / "datasets" / "sharegpt_fastchat_dummy.json"
 
 
 def build_model(out_dir: Path) -> Path:
-    import transformers as tf
-
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(vocab_size=128256, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
-                            tie_word_embeddings=False)
-    tf.AutoModelForCausalLM.from_config(config).save_pretrained(out_dir)
-    tf.AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(out_dir)
-    return out_dir
+    return build_llama(out_dir)  # float32: this CPU has no fast bf16 path
 
 
 def write_data(path: Path, rows: int) -> Path:

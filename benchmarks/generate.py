@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from common import build_llama
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("SPECGEN_SHARED", REPO.parent / "shared"))
 if not SHARED.exists() and Path("/work/shared").exists():
@@ -46,14 +48,7 @@ AUX_LAYERS = [1, 3, 4]
 
 
 def build_model(out_dir: Path, dtype: str = "bfloat16") -> None:
-    import transformers as tf
-
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(vocab_size=128256, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=16384,
-                            tie_word_embeddings=False)
-    tf.AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype)).save_pretrained(out_dir)
-    tf.AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(out_dir)
+    build_llama(out_dir, dtype, max_positions=16384)
 
 
 def data_path(name: str) -> Path:

@@ -12,7 +12,7 @@ verification rounds, pooled over all turns. Printed: per configuration, mean ± 
 and the wall time of training and of evaluation.
 
 --speculators PYTHON also trains vLLM's `speculators` trainer with the interpreter PYTHON (one where
-`pip install --no-deps speculators hs-connectors` works, e.g. /work/vllm-venv/bin/python) on the same shards, same
+`pip install --no-deps speculators hs-connectors` works, e.g. .venv-vllm/bin/python) on the same shards, same
 draft architecture and vocabulary mapping, 4 TTT steps, 2 epochs, lr 5e-3 (`benchmarks/speculators_demo.py`
 applies and names its CPU patches) and evaluates it the same way. Its figure from issue 15 on this data, printed for
 reference: 2.73 (mean of seeds 0 and 1).

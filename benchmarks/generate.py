@@ -35,13 +35,9 @@ from pathlib import Path
 
 import torch
 
-from common import build_llama
+from common import LLAMA_TOKENIZER as TOKENIZER
+from common import REPO, SHARED, build_llama
 
-REPO = Path(__file__).resolve().parent.parent
-SHARED = Path(os.environ.get("SPECGEN_SHARED", REPO.parent / "shared"))
-if not SHARED.exists() and Path("/work/shared").exists():
-    SHARED = Path("/work/shared")
-TOKENIZER = SHARED / "tokenizers" / "llama-3.1"
 DATASETS = {"glaive": SHARED / "datasets" / "sharegpt_glaive_toolcall.json",
             "fastchat": SHARED / "datasets" / "sharegpt_fastchat_dummy.json"}
 AUX_LAYERS = [1, 3, 4]

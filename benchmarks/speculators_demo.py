@@ -1,6 +1,6 @@
 """Train vLLM's `speculators` (0.9) EAGLE-3 trainer on specgen's demo shards, on CPU; write a specgen checkpoint.
 
-    /work/vllm-venv/bin/python benchmarks/speculators_demo.py --shards DIR --out CKPT [--seed 0] [--max-steps N]
+    .venv-vllm/bin/python benchmarks/speculators_demo.py --shards DIR --out CKPT [--seed 0] [--max-steps N]
         [--norm-before-residual]
 
 Used by `benchmarks/draft_quality.py --speculators` to compare trainers on the same data: the demo shards, the same

@@ -13,6 +13,10 @@ sharing. The model is shaped like a small real LLM: Llama, hidden 512, 8 layers,
 tokenizer (needs ../shared, or SPECGEN_SHARED=/path/to/shared).
 
   python benchmarks/generate.py [--data glaive|fastchat|PATH] [--rows 300] [--repeats 3] [--threads 2]
+      [--vllm .venv-vllm/bin/python]    # + vLLM's extract_hidden_states (engine=vllm, prefix caching on)
+
+--vllm runs `specgen generate engine=vllm` in a process of its own each repeat (the engine needs its own
+interpreter); its tokens/s is the stage's own measure (engine start excluded), like the others'.
 
 --scaling prints instead how the cost grows: tokens/s and peak RSS of `specgen generate` (defaults: reuse on) for
 1x, 2x, 4x the rows and sequence lengths 512 / 2k / 8k (8k rows are consecutive glaive conversations joined into
@@ -104,33 +108,37 @@ def compare(args) -> None:
         runs = {"bare forward": lambda out: bare_forward(backbone, samples, args.batch_tokens),
                 "reuse off": lambda out: generate(model_dir, data, out, args, "capture.prefix_reuse=false"),
                 "reuse on": lambda out: generate(model_dir, data, out, args, "capture.prefix_reuse=true")}
+        if args.vllm:
+            runs["vllm, prefix cache"] = lambda out: child_result(args, args.vllm, model_dir, data, out, args.rows,
+                                                                 args.max_length, ["engine=vllm"])
         results: dict[str, list[dict]] = {name: [] for name in runs}
         for repeat, name in itertools.product(range(args.repeats), runs):
             cpu = cpu_seconds()
             result = runs[name](Path(tmp) / f"{name.replace(' ', '_')}-{repeat}")
             result["cpu_seconds"] = cpu_seconds() - cpu  # this process's CPU time: steadier than wall on a busy machine
             results[name].append(result)
-            print(f"repeat {repeat} {name:<13} {result['tokens'] / result['seconds']:>9,.0f} tokens/s "
+            print(f"repeat {repeat} {name:<19} {result['tokens'] / result['seconds']:>9,.0f} tokens/s "
                   f"({result['seconds']:.1f}s wall, {result['cpu_seconds']:.1f}s CPU)", flush=True)
     print(table(results, args))
 
 
 def cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    """CPU seconds of this process and of its finished children (the vLLM run's processes)."""
+    usages = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(usage.ru_utime + usage.ru_stime for usage in usages)
 
 
 def table(results: dict[str, list[dict]], args) -> str:
     bare = results["bare forward"]
     lines = [f"\ndata={args.data} rows={args.rows} tokens={bare[0]['tokens']:,} max_length={args.max_length} "
              f"dtype={args.dtype} threads={args.threads} repeats={args.repeats} (alternating; medians)",
-             f"{'configuration':<14}{'tokens/s':>10}{'vs bare':>9}{'computed':>11}{'CPU-s/Mtok':>12}"
+             f"{'configuration':<20}{'tokens/s':>10}{'vs bare':>9}{'computed':>11}{'CPU-s/Mtok':>12}"
              "  per-repeat vs bare"]
     ratios = {}
     for name, runs in results.items():
         rates = [r["tokens"] / r["seconds"] for r in runs]
         ratios[name] = [rate / (b["tokens"] / b["seconds"]) for rate, b in zip(rates, bare)]
-        lines.append(f"{name:<14}{statistics.median(rates):>10,.0f}{statistics.median(ratios[name]):>9.2f}"
+        lines.append(f"{name:<20}{statistics.median(rates):>10,.0f}{statistics.median(ratios[name]):>9.2f}"
                      f"{runs[0]['computed'] / runs[0]['tokens']:>10.0%}"
                      f"{statistics.median(r['cpu_seconds'] / r['tokens'] * 1e6 for r in runs):>12,.0f}  "
                      + " ".join(f"{r:.2f}" for r in ratios[name]))
@@ -168,6 +176,20 @@ def scaling_child(args) -> None:
     print("RESULT " + json.dumps(result))
 
 
+def child_result(args, python: str, model_dir: Path, data: Path, out: Path, rows: int, max_length: int,
+                 overrides: list[str]) -> dict:
+    """specgen generate in a process of its own (interpreter `python`): its result dict, peak RSS included."""
+    cmd = [python, __file__, "--scaling-child", "--model", str(model_dir), "--data", str(data), "--work", str(out),
+           "--rows", str(rows), "--max-length", str(max_length), "--batch-tokens", str(args.batch_tokens),
+           "--threads", str(args.threads), "--dtype", args.dtype, "--shard-size", str(args.shard_size),
+           *[f"--override={o}" for o in overrides]]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        sys.exit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(line[7:])
+
+
 def scaling(args) -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
     scales = [int(n) for n in args.scales.split(",")]
@@ -185,16 +207,8 @@ def scaling(args) -> None:
             overrides = [f"capture.prefix_reuse={str(args.reuse).lower()}"]
             if length > 2048:
                 overrides.append("capture.prefill_chunk_tokens=2048")
-            cmd = [sys.executable, __file__, "--scaling-child", "--model", str(model_dir), "--data", str(data),
-                   "--work", str(tmp / f"out-{length}-{scale}"), "--rows", str(rows), "--max-length", str(length),
-                   "--batch-tokens", str(args.batch_tokens), "--threads", str(args.threads), "--dtype", args.dtype,
-                   "--shard-size", str(args.shard_size), *[f"--override={o}" for o in overrides]]
-            out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
-                                 env={**os.environ, "PYTHONPATH": str(REPO)})
-            line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
-            if line is None:
-                sys.exit(f"max_length={length} rows={rows} failed:\n{out.stderr[-3000:]}")
-            r = json.loads(line[7:])
+            r = child_result(args, sys.executable, model_dir, data, tmp / f"out-{length}-{scale}", rows, length,
+                             overrides)
             lines.append(f"{length:>10}{rows:>6}{r['tokens']:>10,}{r['computed']:>10,}"
                          f"{r['tokens'] / r['seconds']:>10,.0f}{r['peak_rss'] / 2**20:>9,.0f}MB")
             print(lines[-1], flush=True)
@@ -211,6 +225,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--vllm", metavar="PYTHON", help="add engine=vllm (prefix caching on), run by this "
+                        "interpreter (one with vllm installed, e.g. .venv-vllm/bin/python), to the comparison")
     parser.add_argument("--scaling", action="store_true", help="the 1x/2x/4x x 512/2k/8k table instead")
     parser.add_argument("--lengths", default="512,2048,8192")
     parser.add_argument("--scales", default="1,2,4")

@@ -36,7 +36,8 @@ COMPARED = ("token_counts.json", "target_token_counts.json", "rejected.jsonl")
 
 def command(out_dir: Path, rows: int) -> list[str]:
     return [sys.executable, "-m", "specgen.generate", f"output.dir={out_dir}", f"data.max_rows={rows}",
-            "output.shard_size=4", "capture.batch_tokens=512", "runtime.progress=false"]
+            "output.shard_size=4", "capture.batch_tokens=512", "runtime.progress=false",
+            "capture.count_target_tokens=true"]
 
 
 def environment() -> dict:

@@ -39,6 +39,7 @@ from specgen.draft.checkpoint import (
 from specgen.draft.distributed import DDPBackend, DeepSpeedBackend
 from specgen.draft.model import Eagle3Draft, aux_layers_of, draft_config
 from specgen.draft.offline import OfflineBatches
+from specgen.draft.optim import build_optimizer
 from specgen.draft.online import OnlineBatches, tokenize_source
 from specgen.draft.target_head import TargetHead, load_target_weights
 from specgen.draft.trainer import METRICS, DraftTrainer, LoopSettings, TrainerState, cosine_schedule
@@ -86,6 +87,9 @@ def run(cfg: DictConfig) -> dict:
     if cfg.mode not in MODES:
         raise SpecgenError(f"mode={cfg.mode!r} is unknown; use mode=offline (data.shards) or mode=online "
                            "(model.path + data.path)")
+    if cfg.train.optimizer == "muon" and cfg.distributed.strategy == "deepspeed":
+        raise SpecgenError("train.optimizer=muon needs whole matrices, which DeepSpeed's ZeRO partitions; use "
+                           "distributed=ddp or train.optimizer=adamw")
     set_threads(cfg.runtime.threads)
     accelerator = _accelerator(cfg)
     is_main = accelerator.is_main_process
@@ -135,8 +139,8 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
     if total_steps < 1:
         raise SpecgenError(f"nothing to train: {data.source.batches_per_epoch()} batches per epoch on each process "
                            f"and train.grad_accum={cfg.train.grad_accum}; lower train.batch_tokens or grad_accum")
-    optimizer = torch.optim.AdamW(draft.trainable_parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
-                                  weight_decay=cfg.train.weight_decay)
+    optimizer = build_optimizer(draft, name=cfg.train.optimizer, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                                weight_decay=cfg.train.weight_decay, muon_weight_decay=cfg.train.muon_weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(
         cfg.train.schedule_steps or total_steps, cfg.train.warmup_steps, cfg.train.min_lr_ratio))
     backend = make_backend(cfg, objective, optimizer, scheduler, device, accelerator.num_processes)

@@ -45,6 +45,7 @@ def test_rows_equal_hugging_face_forward(small_target, tmp_path):
 
     manifest = generate(small_target, tmp_path / "out", "capture.aux_layers=[0,3,7]")
     assert manifest["capture"]["aux_layers"] == [0, 3, 7]
+    assert not (tmp_path / "out" / "target_token_counts.json").exists()  # counting the target's tokens is opt-in
     assert manifest["stats"]["samples"] == len(load_rows(tmp_path / "out")) > 0
     model = AutoModelForCausalLM.from_pretrained(small_target).eval()
     for row in load_rows(tmp_path / "out")[:6]:
@@ -59,7 +60,7 @@ def test_rows_equal_hugging_face_forward(small_target, tmp_path):
 
 
 def test_default_layers_and_manifest(small_target, tmp_path):
-    manifest = generate(small_target, tmp_path / "out")
+    manifest = generate(small_target, tmp_path / "out", "capture.count_target_tokens=true")
     assert manifest["capture"]["aux_layers"] == [1, 3, 4]  # [1, L//2-1, L-4] for L=8
     assert manifest["capture"]["last_hidden_state"].startswith("post_norm")
     stats = manifest["stats"]
@@ -300,7 +301,8 @@ def test_prefix_reuse_store_once_and_fp8_outputs_equal_the_plain_run(small_targe
                                          {"role": "assistant", "content": f"Answer number {i}."}]} for i in range(6)]
     data = tmp_path / "shared_prefix.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    options = [f"data.path={data}", "output.codec=fp8", "capture.token_logprobs=true", "capture.prefix_min_tokens=8"]
+    options = [f"data.path={data}", "output.codec=fp8", "capture.token_logprobs=true", "capture.prefix_min_tokens=8",
+               "capture.count_target_tokens=true"]
     plain = generate(small_target, tmp_path / "plain", *options, "capture.prefix_reuse=false")
     reused = generate(small_target, tmp_path / "reused", *options, "capture.prefix_reuse=true",
                       "output.store_prefix_once=true")

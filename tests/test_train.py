@@ -37,7 +37,7 @@ def shards(target, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("shards")
     generate(compose("generate", [f"model.path={target}", f"output.dir={out}", "output.shard_size=5",
-                                       "runtime.progress=false", *data_overrides()]))
+                                  "runtime.progress=false", "capture.count_target_tokens=true", *data_overrides()]))
     return out
 
 
@@ -100,9 +100,10 @@ def test_training_lowers_the_loss(shards, tmp_path):
     assert last < first
 
 
-def test_resume_continues_exactly(shards, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_continues_exactly(shards, tmp_path, optimizer):
     """4 steps in one go == 2 steps, stop, resume to 4: same weights, same optimizer, same batches."""
-    schedule = ["train.schedule_steps=4", "train.epochs=3"]
+    schedule = ["train.schedule_steps=4", "train.epochs=3", f"train.optimizer={optimizer}"]
     straight, pieces = tmp_path / "straight", tmp_path / "pieces"
     train([f"data.shards={shards}", f"output.dir={straight}", "train.max_steps=4", *schedule])
     train([f"data.shards={shards}", f"output.dir={pieces}", "train.max_steps=2", *schedule])
@@ -159,6 +160,8 @@ def test_user_errors_are_one_line_messages(tmp_path):
         train([f"output.dir={tmp_path / 'x'}"])
     with pytest.raises(SpecgenError, match="model.path is required"):  # data of one's own needs one's own target
         train(["mode=online", f"data.path={ASSETS_DIR / 'chat' / 'train.jsonl'}", f"output.dir={tmp_path / 'y'}"])
+    with pytest.raises(SpecgenError, match="train.optimizer=muon needs whole matrices"):
+        train(["train.optimizer=muon", "distributed=zero2", f"output.dir={tmp_path / 'z'}"])
 
 
 def test_training_that_scores_nothing_stops_with_an_error_about_the_draft_vocabulary(shards, tmp_path):

@@ -207,7 +207,8 @@ class DraftTrainer:
             f"{metrics['trainable_positions']:,} of them the target's top token lies outside the draft vocabulary "
             f"({vocab:,} of {target_vocab:,} tokens: {source}), so the loss is 0 and the draft learns nothing; the "
             "responses were not written by this target: regenerate them with it (python -m specgen.regenerate, "
-            "then generate), or build the vocabulary from the target's predictions (draft.vocab_source=target) or "
+            "then generate), or build the vocabulary from the target's predictions (generate with capture.count_target_tokens=true, "
+            "train with draft.vocab_source=target) or "
             "use a larger draft.vocab_size")
 
     def checkpoint(self) -> None:

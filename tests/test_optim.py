@@ -1,0 +1,76 @@
+"""`train.optimizer`: AdamW, or Muon on the draft's hidden matrices with AdamW on the rest, as one optimizer."""
+
+import copy
+
+import pytest
+import torch
+
+from specgen.draft.optim import MuonAdamW, build_optimizer
+from tests.test_draft_model import one_thread, tiny_draft  # noqa: F401 (fixture)
+
+SETTINGS = dict(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0, muon_weight_decay=0.1)
+
+
+def names_in(draft, optimizer) -> set[str]:
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return {name for name, p in draft.named_parameters() if id(p) in ids}
+
+
+def step_on_random_loss(draft, optimizer, seed: int = 0) -> None:
+    torch.manual_seed(seed)
+    loss = sum((p * torch.randn_like(p)).sum() for p in draft.parameters() if p.requires_grad)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    draft = tiny_draft()
+    optimizer = build_optimizer(draft, name="muon", **SETTINGS)
+    assert isinstance(optimizer, MuonAdamW)
+    muon, adamw = (names_in(draft, optimizer.parts[name]) for name in ("muon", "adamw"))
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight"} <= muon
+    assert all(name.endswith("norm.weight") for name in adamw - {"lm_head.weight"}) and "lm_head.weight" in adamw
+    assert not muon & adamw and "embed_tokens.weight" not in muon | adamw  # the frozen embedding is left out
+    assert muon | adamw == {name for name, p in draft.named_parameters() if p.requires_grad}
+
+    draft.lm_head.weight.requires_grad_(False)  # draft.freeze_lm_head
+    assert "lm_head.weight" not in names_in(draft, build_optimizer(draft, name="muon", **SETTINGS))
+
+
+def test_a_scheduler_drives_both_parts_and_every_trainable_weight_moves():
+    draft = tiny_draft()
+    optimizer = build_optimizer(draft, name="muon", **SETTINGS)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    before = {name: p.detach().clone() for name, p in draft.named_parameters()}
+    step_on_random_loss(draft, optimizer)
+    scheduler.step()
+    assert [g["lr"] for part in optimizer.parts.values() for g in part.param_groups] == [5e-3, 5e-3]
+    for name, p in draft.named_parameters():
+        assert torch.equal(p, before[name]) != p.requires_grad, name
+
+
+def test_the_state_round_trips_so_a_resumed_run_takes_the_same_steps():
+    straight, resumed = tiny_draft(), tiny_draft()
+    first = build_optimizer(straight, name="muon", **SETTINGS)
+    for seed in range(2):
+        step_on_random_loss(straight, first, seed)
+    resumed.load_state_dict(straight.state_dict())
+    second = build_optimizer(resumed, name="muon", **SETTINGS)
+    second.load_state_dict(copy.deepcopy(first.state_dict()))  # as torch.save + torch.load give it
+    torch.optim.lr_scheduler.LambdaLR(second, lambda step: 0.5)  # the scheduler of a resumed run reaches both parts
+    assert [g["lr"] for part in second.parts.values() for g in part.param_groups] == [5e-3, 5e-3]
+    for group in first.param_groups:
+        group["lr"] *= 0.5
+    step_on_random_loss(straight, first, 2)
+    step_on_random_loss(resumed, second, 2)
+    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters()))
+    with pytest.raises(ValueError, match="optimizer state holds"):
+        second.load_state_dict({"muon": first.state_dict()["muon"]})
+
+
+def test_adamw_is_plain_adamw():
+    draft = tiny_draft()
+    optimizer = build_optimizer(draft, name="adamw", **SETTINGS)
+    assert type(optimizer) is torch.optim.AdamW
+    assert names_in(draft, optimizer) == {name for name, p in draft.named_parameters() if p.requires_grad}

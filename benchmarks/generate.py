@@ -16,7 +16,8 @@ tokenizer (needs ../shared, or SPECGEN_SHARED=/path/to/shared).
       [--vllm .venv-vllm/bin/python]    # + vLLM's extract_hidden_states (engine=vllm, prefix caching on)
 
 --vllm runs `specgen generate engine=vllm` in a process of its own each repeat (the engine needs its own
-interpreter); its tokens/s is the stage's own measure (engine start excluded), like the others'.
+interpreter); its tokens/s is the stage's own measure (engine start excluded), like the others', but its
+CPU-seconds column includes the engine's start and its worker processes.
 
 --scaling prints instead how the cost grows: tokens/s and peak RSS of `specgen generate` (defaults: reuse on) for
 1x, 2x, 4x the rows and sequence lengths 512 / 2k / 8k (8k rows are consecutive glaive conversations joined into
@@ -29,6 +30,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -114,7 +116,8 @@ def compare(args) -> None:
         results: dict[str, list[dict]] = {name: [] for name in runs}
         for repeat, name in itertools.product(range(args.repeats), runs):
             cpu = cpu_seconds()
-            result = runs[name](Path(tmp) / f"{name.replace(' ', '_')}-{repeat}")
+            slug = re.sub(r"\W+", "_", name)  # a folder name without commas (Hydra splits values at commas)
+            result = runs[name](Path(tmp) / f"{slug}-{repeat}")
             result["cpu_seconds"] = cpu_seconds() - cpu  # this process's CPU time: steadier than wall on a busy machine
             results[name].append(result)
             print(f"repeat {repeat} {name:<19} {result['tokens'] / result['seconds']:>9,.0f} tokens/s "

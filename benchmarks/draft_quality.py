@@ -45,6 +45,7 @@ def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: in
     from specgen.assets import ASSETS_DIR
     from specgen.capture.target import load_target
     from specgen.draft.checkpoint import load_draft, read_draft_config, specgen_info
+    from specgen.draft.model import aux_layers_of
     from specgen.draft.speculative import TargetRunner, speculative_generate
     from specgen.evaluate import read_prompts
     from specgen.runtime import load_tokenizer
@@ -55,8 +56,9 @@ def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: in
     target_path = info.get("target", {}).get("path") or str(ASSETS_DIR / "tiny-target")
     model = load_target(target_path, dtype="float32", device="cpu", attn_implementation="sdpa")
     draft = load_draft(draft_path, embedding=model.get_input_embeddings().weight.detach().float()).eval()
-    aux_layers = info.get("aux_layers") or draft.config.eagle_config["eagle_aux_hidden_state_layer_ids"]
-    target = TargetRunner(model, aux_layers)
+    # The draft's config holds serving ids (vLLM's reading, aux + 1); aux_layers_of turns them back into the
+    # 0-based layer outputs the draft was trained on, exactly as specgen.evaluate does.
+    target = TargetRunner(model, aux_layers_of(draft.config))
     tokenizer = load_tokenizer(target_path)
     eos_ids = {tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
     rounds = accepted = turns = 0

@@ -48,7 +48,7 @@ def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: in
     from specgen.draft.model import aux_layers_of
     from specgen.draft.speculative import TargetRunner, speculative_generate
     from specgen.evaluate import read_prompts
-    from specgen.runtime import load_tokenizer
+    from specgen.runtime import load_tokenizer, stop_token_ids
 
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -60,7 +60,7 @@ def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: in
     # 0-based layer outputs the draft was trained on, exactly as specgen.evaluate does.
     target = TargetRunner(model, aux_layers_of(draft.config))
     tokenizer = load_tokenizer(target_path)
-    eos_ids = {tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
+    eos_ids = set(stop_token_ids(model, tokenizer))  # the turn-ending tokens specgen.evaluate stops at
     rounds = accepted = turns = 0
     for prompt in read_prompts(str(ASSETS_DIR / "chat" / "heldout.jsonl")):
         messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
@@ -76,10 +76,6 @@ def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: in
             messages.append({"role": "assistant", "content": tokenizer.decode(out.tokens, skip_special_tokens=True)})
     return {"acceptance_length": 1 + accepted / max(rounds, 1), "rounds": rounds, "accepted": accepted,
             "turns": turns, "seconds": time.perf_counter() - start}
-
-
-def _as_list(value) -> list:
-    return [] if value is None else value if isinstance(value, list) else [value]
 
 
 def _python_env() -> dict:

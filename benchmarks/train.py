@@ -117,7 +117,8 @@ def main() -> None:
             variants.append(Variant(f"offline, DataLoader {workers} workers", make_trainer(cfg, offline, tmp),
                                     iter(source.epoch(0))))
         in_memory = [DraftBatch(*(t.clone() for t in (b.input_ids, b.loss_mask, b.aux_hidden_states,
-                                                      b.last_hidden_state, b.lengths)))
+                                                      b.last_hidden_state, b.lengths, b.position_ids,
+                                                      b.document_ids)))
                      for b in itertools.islice(offline.source.epoch(0), needed)]
         variants.append(Variant("offline, batches in memory", make_trainer(cfg, offline, tmp), iter(in_memory)))
         online = online_data(cfg, plan, torch.device("cpu"))

@@ -42,7 +42,7 @@ from specgen.draft.offline import OfflineBatches
 from specgen.draft.optim import build_optimizer
 from specgen.draft.online import OnlineBatches, tokenize_source
 from specgen.draft.target_head import TargetHead, load_target_weights
-from specgen.draft.trainer import METRICS, DraftTrainer, LoopSettings, TrainerState, cosine_schedule
+from specgen.draft.trainer import METRICS, DraftTrainer, LoopSettings, TrainerState, lr_schedule
 from specgen.draft.ttt import MASK_SHIFTS, TTTObjective
 from specgen.draft.vocab import (
     TARGET_TOKEN_COUNTS,
@@ -122,7 +122,8 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
     accelerator.wait_for_everyone()
 
     plan = BatchPlan(batch_tokens=cfg.train.batch_tokens, max_batch_size=cfg.train.max_batch_size,
-                     seed=cfg.runtime.seed, rank=accelerator.process_index, world_size=accelerator.num_processes)
+                     seed=cfg.runtime.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
+                     packing=cfg.train.packing)
     data = online_data(cfg, plan, device) if cfg.mode == "online" else offline_data(cfg, plan, device)
     if cfg.mode == "online" and is_main:
         write_token_counts(out_dir / TOKEN_COUNTS, data.token_counts, data.target_config.get_text_config().vocab_size)
@@ -131,7 +132,7 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
     draft = build_draft(cfg, data, out_dir if resume else None).to(device)
     mask_shift = _mask_shift(cfg)
     objective = TTTObjective(draft, ttt_length=cfg.train.ttt_length, decay=cfg.train.ttt_decay,
-                             mask_shift=mask_shift)
+                             mask_shift=mask_shift, drop_out_of_vocab=cfg.train.out_of_vocab == "drop")
     head = TargetHead(data.lm_head.to(device), _mapping_of(draft), chunk_tokens=cfg.capture.lm_head_chunk_tokens)
 
     steps_per_epoch = data.source.batches_per_epoch() // cfg.train.grad_accum
@@ -141,8 +142,8 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
                            f"and train.grad_accum={cfg.train.grad_accum}; lower train.batch_tokens or grad_accum")
     optimizer = build_optimizer(draft, name=cfg.train.optimizer, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
                                 weight_decay=cfg.train.weight_decay, muon_weight_decay=cfg.train.muon_weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(
-        cfg.train.schedule_steps or total_steps, cfg.train.warmup_steps, cfg.train.min_lr_ratio))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(
+        cfg.train.schedule_steps or total_steps, cfg.train.warmup_steps, cfg.train.min_lr_ratio, cfg.train.schedule))
     backend = make_backend(cfg, objective, optimizer, scheduler, device, accelerator.num_processes)
 
     info = {"target": {"path": data.target_path, "config_hash": data.target_config_hash},

@@ -5,7 +5,7 @@ import hashlib
 
 import pytest
 
-from specgen.store.commit import DiskFull, atomic_write, content_hash, write_json_atomic
+from specgen.store.commit import DiskFull, HashingFile, atomic_write, content_hash, write_json_atomic
 
 
 def test_a_failed_write_keeps_the_old_content_and_leaves_no_temp_file(tmp_path):
@@ -31,3 +31,12 @@ def test_other_errors_pass_through_and_the_hash_is_sha256(tmp_path):
         atomic_write(tmp_path / "x", broken)
     atomic_write(tmp_path / "x", lambda tmp: tmp.write_bytes(b"abc" * 10_000_000))
     assert content_hash(tmp_path / "x") == hashlib.sha256(b"abc" * 10_000_000).hexdigest()
+
+
+def test_hashing_file_checksum_equals_the_files_hash(tmp_path):
+    path = tmp_path / "x"
+    with HashingFile(path) as sink:
+        for chunk in (b"", b"a" * 5, bytearray(b"b" * 70_000), memoryview(b"0123456789")[3:]):
+            assert sink.write(chunk) == len(chunk)
+        assert sink.tell() == 5 + 70_000 + 7
+    assert sink.hexdigest() == content_hash(path) == hashlib.sha256(b"a" * 5 + b"b" * 70_000 + b"3456789").hexdigest()

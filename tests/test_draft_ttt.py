@@ -1,5 +1,6 @@
 """TTT loss: the loss-mask shift on a hand-built example, and the loss against a position-by-position reference."""
 
+import copy
 import math
 
 import pytest
@@ -55,8 +56,8 @@ def test_loss_reads_targets_only_where_the_predicted_token_is_trained():
     assert out.stats[:, 3].tolist() == [4, 3, 2]
 
 
-@pytest.mark.parametrize("mask_shift", [2, 1])
-def test_loss_and_accuracy_match_a_position_by_position_reference(mask_shift):
+@pytest.mark.parametrize("mask_shift,drop", [(2, True), (1, True), (2, False)])
+def test_loss_and_accuracy_match_a_position_by_position_reference(mask_shift, drop):
     torch.manual_seed(0)
     draft = tiny_draft(draft_vocab=20)
     target_vocab, steps, decay = 50, 3, 0.8
@@ -70,7 +71,7 @@ def test_loss_and_accuracy_match_a_position_by_position_reference(mask_shift):
     batch = collate(rows)
     target = head.distribution(batch.last_hidden_state, target_positions_needed(batch.loss_mask, mask_shift))
     out = ttt_forward(draft, batch.input_ids, batch.loss_mask, batch.aux_hidden_states, target,
-                      ttt_length=steps, decay=decay, mask_shift=mask_shift)
+                      ttt_length=steps, decay=decay, mask_shift=mask_shift, drop_out_of_vocab=drop)
 
     sums = torch.zeros(steps, 5, dtype=torch.float64)
     with torch.no_grad():
@@ -87,13 +88,16 @@ def test_loss_and_accuracy_match_a_position_by_position_reference(mask_shift):
                     target_logits = head.weight @ row["last_hidden_state"][i + 1 + step]
                     p = torch.softmax(target_logits[mapping.draft_to_target], dim=-1)
                     log_q = F.log_softmax(draft.logits(outputs[step][0, i]), dim=-1)
-                    in_vocab = bool(mapping.t2d[target_logits.argmax()])
+                    in_vocab = bool(mapping.t2d[target_logits.argmax()]) or not drop  # keep: all are scored
                     right = int(mapping.draft_to_target[log_q.argmax()] == target_logits.argmax())
                     alive[i] = alive[i] and bool(right)
                     sums[step, :4] += torch.tensor([float(-(p * log_q).sum()) if in_vocab else 0.0, in_vocab,
                                                     right, 1.0], dtype=torch.float64)
                 sums[step, 4] += sum(alive)
     torch.testing.assert_close(out.stats, sums, rtol=1e-4, atol=1e-4)
+    # Some scored positions have their target's top token outside the draft vocabulary (20 of 50 tokens):
+    # dropping them changes the loss, keeping them scores every position.
+    assert (sums[:, 1] < sums[:, 3]).any() if drop else (sums[:, 1] == sums[:, 3]).all()
     expected_loss = sum(decay ** j * sums[j, 0] / max(sums[j, 1], 1) for j in range(steps))
     assert out.loss.item() == pytest.approx(float(expected_loss), rel=1e-4)
     metrics = step_metrics(out.stats, decay)
@@ -107,3 +111,36 @@ def test_loss_and_accuracy_match_a_position_by_position_reference(mask_shift):
     assert metrics["accept_len_sim"] == pytest.approx(
         1 + sum(math.prod(metrics[f"cacc_{j}"] for j in range(k + 1)) for k in range(steps)))
     assert not math.isnan(metrics["loss_2"])
+
+
+@pytest.mark.parametrize("mask_shift", [2, 1])
+def test_a_packed_row_trains_exactly_like_padded_rows(mask_shift):
+    """Three samples end to end in one row (train.packing) give the padded batch's statistics, loss and gradient:
+    no step attends to, reads from or is scored on a neighbouring sample."""
+    torch.manual_seed(1)
+    target_vocab, steps = 50, 4
+    mapping = VocabMapping(torch.arange(target_vocab), target_vocab)
+    head = TargetHead(torch.randn(target_vocab, 32), mapping)
+    rows = [{"input_ids": torch.randint(0, target_vocab, (n,)), "loss_mask": torch.tensor(mask),
+             "aux_hidden_states": torch.randn(n, 96), "last_hidden_state": torch.randn(n, 32)}
+            for n, mask in [(7, LOSS_MASK), (5, [0, 1, 1, 1, 1]), (6, [0, 0, 1, 1, 0, 1])]]
+    initial = tiny_draft(draft_vocab=target_vocab)
+    initial.t2d.fill_(True)
+    results = []
+    for packed in (False, True):
+        draft = copy.deepcopy(initial)
+        batch = collate(rows, packed=packed)
+        assert batch.input_ids.shape == ((1, 18) if packed else (3, 7))
+        target = head.distribution(batch.last_hidden_state, target_positions_needed(batch.loss_mask, mask_shift))
+        out = ttt_forward(draft, batch.input_ids, batch.loss_mask, batch.aux_hidden_states, target,
+                          ttt_length=steps, decay=1.0, mask_shift=mask_shift, position_ids=batch.position_ids,
+                          document_ids=batch.document_ids)
+        out.loss.backward()
+        results.append((out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+    (padded, padded_grads), (packed, packed_grads) = results
+    assert padded.stats[:, 3].sum() > 0
+    torch.testing.assert_close(packed.stats, padded.stats)
+    torch.testing.assert_close(packed.loss, padded.loss)
+    assert packed_grads.keys() == padded_grads.keys()
+    for name in padded_grads:
+        torch.testing.assert_close(packed_grads[name], padded_grads[name], rtol=1e-4, atol=1e-6)

@@ -1,11 +1,14 @@
-"""`train.optimizer`: AdamW, or Muon on the draft's hidden matrices with AdamW on the rest, as one optimizer."""
+"""`train.optimizer`: AdamW, or Muon on the draft's hidden matrices with AdamW on the rest, as one optimizer; and
+`train.schedule`: the learning-rate multiplier."""
 
 import copy
+import math
 
 import pytest
 import torch
 
 from specgen.draft.optim import MuonAdamW, build_optimizer
+from specgen.draft.trainer import lr_schedule
 from tests.test_draft_model import one_thread, tiny_draft  # noqa: F401 (fixture)
 
 SETTINGS = dict(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0, muon_weight_decay=0.1)
@@ -74,3 +77,17 @@ def test_adamw_is_plain_adamw():
     optimizer = build_optimizer(draft, name="adamw", **SETTINGS)
     assert type(optimizer) is torch.optim.AdamW
     assert names_in(draft, optimizer) == {name for name, p in draft.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("shape", ["cosine", "linear"])
+def test_lr_schedule_warms_up_then_decays_to_the_floor(shape):
+    multiplier = lr_schedule(total_steps=12, warmup_steps=2, min_lr_ratio=0.1, shape=shape)
+    values = [multiplier(step) for step in range(14)]
+    assert values[:3] == [0.5, 1.0, 1.0]  # warmup steps 0, 1; the peak at step 2
+    assert all(a >= b for a, b in zip(values[2:], values[3:]))  # never rises after the peak
+    assert values[12] == pytest.approx(0.1) and values[13] == pytest.approx(0.1)  # the floor, held after the end
+    middle = values[7]  # halfway through the decay (5 of 10 steps)
+    # A straight line is at the midpoint there; a cosine too: both reach 0.55 at half time.
+    assert middle == pytest.approx(0.55)
+    quarter = multiplier(4)  # 2 of 10 decay steps
+    assert quarter == pytest.approx(0.1 + 0.9 * (0.8 if shape == "linear" else 0.5 * (1 + math.cos(math.pi * 0.2))))

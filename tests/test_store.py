@@ -218,7 +218,8 @@ def test_shard_names_and_sidecars(tmp_path):
     assert shard_name(3) == "shard-00003.arrow"
     assert shard_name(123456) == "shard-123456.arrow"
     spec = ShardSpec(hidden_size=4, num_aux=1, dtype="float16")
-    write_shard(tmp_path, 123456, spec, make_rows(spec, [2]), stats={"samples": 1}, rejected=[{"id": "x"}])
+    write_shard(tmp_path, 123456, spec, make_rows(spec, [2, 5, 3]), batch_size=1, stats={"samples": 1},
+                rejected=[{"id": "x"}])  # three record batches: the checksum is taken as they are written
     assert list(finished_shards(tmp_path)) == [123456]
     sidecar = read_sidecar(tmp_path, 123456)
     assert {k: sidecar[k] for k in ("stats", "rejected")} == {"stats": {"samples": 1}, "rejected": [{"id": "x"}]}

@@ -117,18 +117,24 @@ def test_resume_continues_exactly(shards, tmp_path, optimizer):
     assert [line["loss"] for line in metrics(pieces)] == [line["loss"] for line in metrics(straight)]
 
 
-def test_online_step_equals_offline_step(shards, target, tmp_path):
-    """The same samples through the target in the loop give the loss the shards give (one batch holds all)."""
+def test_online_step_equals_offline_step_padded_or_packed(shards, target, tmp_path):
+    """The same samples through the target in the loop give the loss the shards give (one batch holds all), and
+    packing them into one row (train.packing) gives the loss of padded rows: the same step four ways."""
     one_batch = ["train.max_steps=1", "train.batch_tokens=1000000"]
-    train([f"data.shards={shards}", f"output.dir={tmp_path / 'offline'}", *one_batch])
-    train(["mode=online", f"model.path={target}", *data_overrides(), f"output.dir={tmp_path / 'online'}",
-           *one_batch])
-    offline, online = metrics(tmp_path / "offline")[0], metrics(tmp_path / "online")[0]
-    for key in ("loss", "loss_0", "loss_1", "loss_2"):
-        assert online[key] == pytest.approx(offline[key], rel=1e-5), key
-    for key in ("acc_0", "acc_1", "acc_2", "tokens_seen"):
-        assert online[key] == offline[key], key
-    assert json.loads((tmp_path / "online" / "token_counts.json").read_text()) == \
+    runs = {}
+    for packing in ("false", "true"):
+        offline, online = tmp_path / f"offline-{packing}", tmp_path / f"online-{packing}"
+        train([f"data.shards={shards}", f"output.dir={offline}", f"train.packing={packing}", *one_batch])
+        train(["mode=online", f"model.path={target}", *data_overrides(), f"output.dir={online}",
+               f"train.packing={packing}", *one_batch])
+        runs[offline.name], runs[online.name] = metrics(offline)[0], metrics(online)[0]
+    reference = runs.pop("offline-false")
+    for name, got in runs.items():
+        for key in ("loss", "loss_0", "loss_1", "loss_2"):
+            assert got[key] == pytest.approx(reference[key], rel=1e-5), (name, key)
+        for key in ("acc_0", "acc_1", "acc_2", "tokens_seen", "trainable_positions"):
+            assert got[key] == reference[key], (name, key)
+    assert json.loads((tmp_path / "online-false" / "token_counts.json").read_text()) == \
         json.loads((shards / "token_counts.json").read_text())
 
 

@@ -110,7 +110,8 @@ class DraftKV:
     training batch; in decoding keep it across rounds and call `drop_chain()` once a round is verified.
     """
 
-    def __init__(self):
+    def __init__(self, document_ids: torch.Tensor | None = None):
+        self.document_ids = document_ids  # [B, T] training only: a query sees base entries of its own document
         self.base_keys: torch.Tensor | None = None
         self.base_values: torch.Tensor | None = None
         self.chain: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -186,7 +187,11 @@ class DraftAttention(nn.Module):
         scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [B, H, n, base_length]
         query_index = torch.arange(q_start, base_length, device=q.device)[:, None]
         key_index = torch.arange(base_length, device=q.device)[None, :]
-        scores = scores.masked_fill(key_index > query_index, float("-inf"))
+        hidden = key_index > query_index
+        if kv.document_ids is not None:  # packed training rows: attend within the query's own sample
+            documents = kv.document_ids[:, None, :base_length]
+            hidden = hidden | (documents[..., q_start:, None] != documents[..., None, :])
+        scores = scores.masked_fill(hidden, float("-inf"))
         if kv.chain:
             chain_keys = torch.stack([_repeat_kv(k, repeat) for k, _ in kv.chain], dim=-2)  # [B, H, n, steps, d]
             chain_values = torch.stack([_repeat_kv(v, repeat) for _, v in kv.chain], dim=-2)

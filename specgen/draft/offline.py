@@ -1,6 +1,7 @@
-"""Offline batches: samples read from shards (`specgen.open_shards`), batched by length, loaded by a DataLoader."""
+"""Offline batches: samples read from shards (`specgen.open_shards`), batched per the plan, loaded by a DataLoader."""
 
 from collections.abc import Iterable
+from functools import partial
 
 from torch.utils.data import DataLoader
 
@@ -10,7 +11,8 @@ from specgen.store.reader import ShardDataset
 
 
 class OfflineBatches:
-    """Length-bucketed batches of a shard dataset. Worker processes re-open the memory maps themselves."""
+    """Batches of a shard dataset (padded or packed, per the plan). Worker processes re-open the memory maps
+    themselves."""
 
     def __init__(self, dataset: ShardDataset, plan: BatchPlan, *, num_workers: int = 0, pin_memory: bool = False):
         self.dataset = dataset
@@ -27,7 +29,8 @@ class OfflineBatches:
         batches = self.plan.epoch(self.lengths, epoch)[skip:]
         if not batches:
             return []
-        return DataLoader(self.dataset, batch_sampler=batches, collate_fn=collate, num_workers=self.num_workers,
+        return DataLoader(self.dataset, batch_sampler=batches,
+                          collate_fn=partial(collate, packed=self.plan.packing), num_workers=self.num_workers,
                           pin_memory=self.pin_memory, persistent_workers=False,
                           prefetch_factor=4 if self.num_workers else None)
 

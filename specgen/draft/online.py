@@ -19,7 +19,7 @@ from specgen.data.sample import TokenizedSample
 from specgen.data.sources import iter_records
 from specgen.data.template import ChatTemplateTokenizer
 from specgen.draft.batches import BatchPlan
-from specgen.draft.ttt import DraftBatch
+from specgen.draft.ttt import DraftBatch, collate
 from specgen.errors import SpecgenError
 
 log = logging.getLogger("specgen.draft")
@@ -43,7 +43,7 @@ def tokenize_source(path: str, chat: ChatTemplateTokenizer, *, max_rows: int | N
 
 
 class OnlineBatches:
-    """Length-bucketed batches of tokenized samples, each captured by the target when it is needed."""
+    """Batches of tokenized samples (padded or packed, per the plan), each captured by the target when needed."""
 
     def __init__(self, samples: list[TokenizedSample], capture: TargetCapture, plan: BatchPlan, *, pad_id: int = 0):
         self.samples = samples
@@ -61,12 +61,10 @@ class OnlineBatches:
 
     def capture_batch(self, samples: list[TokenizedSample]) -> DraftBatch:
         lengths = torch.tensor([len(sample) for sample in samples])
-        input_ids = pad_right([sample.input_ids for sample in samples], self.pad_id)
-        loss_mask = pad_right([sample.loss_mask for sample in samples], 0)
-        out = self.capture(input_ids, lengths)
-        # The capture runs in inference mode; its tensors must become ordinary ones before autograd sees them.
-        # Padding positions hold unspecified values: zero them, as the offline collate does.
-        valid = (torch.arange(input_ids.shape[1]) < lengths[:, None]).to(out.aux_hidden_states.device)[..., None]
-        aux = torch.where(valid, out.aux_hidden_states, 0)
-        last = torch.where(valid, out.last_hidden_state, 0)
-        return DraftBatch(input_ids, loss_mask, aux, last, lengths)
+        out = self.capture(pad_right([sample.input_ids for sample in samples], self.pad_id), lengths)
+        # The rows are copied out of the capture's (inference-mode) tensors into ordinary ones, laid out as the
+        # offline collate lays out shard rows (padded or packed).
+        rows = [{"input_ids": sample.input_ids, "loss_mask": sample.loss_mask,
+                 "aux_hidden_states": out.aux_hidden_states[b, :len(sample)],
+                 "last_hidden_state": out.last_hidden_state[b, :len(sample)]} for b, sample in enumerate(samples)]
+        return collate(rows, self.pad_id, packed=self.plan.packing)

@@ -67,14 +67,17 @@ class TrainerState:
         return cls(**json.loads((folder / STATE).read_text()))
 
 
-def cosine_schedule(total_steps: int, warmup_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
-    """LR multiplier: linear warmup to 1, then cosine decay to `min_lr_ratio` at `total_steps`."""
+def lr_schedule(total_steps: int, warmup_steps: int, min_lr_ratio: float,
+                shape: str = "cosine") -> Callable[[int], float]:
+    """LR multiplier: linear warmup to 1, then a cosine (`shape="cosine"`) or straight line (`"linear"`, speculators'
+    default) down to `min_lr_ratio` at `total_steps`."""
 
     def multiplier(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        fall = 1 - progress if shape == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+        return min_lr_ratio + (1 - min_lr_ratio) * fall
 
     return multiplier
 
@@ -166,7 +169,8 @@ class DraftTrainer:
                     if self.settings.autocast_dtype is not None else nullcontext())
         with autocast:
             loss, stats = self.backend.forward(batch.input_ids, batch.loss_mask, batch.aux_hidden_states,
-                                               target.probs, target.argmax, sync=boundary)
+                                               target.probs, target.argmax, batch.position_ids,
+                                               batch.document_ids, sync=boundary)
         self.backend.backward(loss)
         self.backend.update(boundary=boundary)
         return stats.detach()

@@ -16,8 +16,10 @@ Step j at index i sits at position i+j and attends to the base entries 0..i and 
 `specgen.draft.model`), exactly like the j-th drafted token after verifying position i.
 
 Per step: loss_j = mean over valid positions of the cross-entropy between the target distribution (restricted to
-the draft vocabulary) and the draft's; positions whose target argmax lies outside the draft vocabulary are left
-out of the loss (no draft token can match there) but count as misses in acc_j. Total loss = sum_j decay^j loss_j.
+the draft vocabulary and renormalised) and the draft's. With `drop_out_of_vocab` (train.out_of_vocab=drop) the
+positions whose target argmax lies outside the draft vocabulary are left out of the loss (no draft token can match
+there); with `keep` they are scored like the others (speculators'). Either way they count as misses in acc_j.
+Total loss = sum_j decay^j loss_j.
 
 Simulated acceptance (what a chain of `ttt_length` drafts would get accepted, greedy): at each index scored by
 step 0, the number of leading steps whose argmax equals the target's; accept_len_sim = 1 + its mean. It equals
@@ -30,44 +32,62 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specgen.data.batching import pad_right
 from specgen.draft.model import DraftKV, Eagle3Draft
 from specgen.draft.target_head import TargetDistribution, TargetHead
 
 
 @dataclass
 class DraftBatch:
-    """A right-padded batch of samples with the target's hidden states."""
+    """A batch of samples with the target's hidden states: right-padded rows, or packed rows (several samples end
+    to end in one row, `train.packing`). `document_ids` says which sample each token belongs to (-1: padding);
+    the draft attends, and is scored, within one sample only. `position_ids` count from 0 in every sample."""
 
     input_ids: torch.Tensor  # [B, T] long
     loss_mask: torch.Tensor  # [B, T] long 0/1 (0 on padding)
     aux_hidden_states: torch.Tensor  # [B, T, k*H]
     last_hidden_state: torch.Tensor  # [B, T, H], post-norm
-    lengths: torch.Tensor  # [B]
+    lengths: torch.Tensor  # [N] the N samples' lengths
+    position_ids: torch.Tensor  # [B, T] long
+    document_ids: torch.Tensor  # [B, T] long, -1 on padding
 
     def to(self, device: torch.device | str) -> "DraftBatch":
         return DraftBatch(*(t.to(device, non_blocking=True) for t in (
-            self.input_ids, self.loss_mask, self.aux_hidden_states, self.last_hidden_state, self.lengths)))
+            self.input_ids, self.loss_mask, self.aux_hidden_states, self.last_hidden_state, self.lengths,
+            self.position_ids, self.document_ids)))
 
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
 
 
-def collate(rows: list[dict], pad_id: int = 0) -> DraftBatch:
-    """Right-pad per-sample dicts (`input_ids`, `loss_mask`, `aux_hidden_states`, `last_hidden_state`)."""
+def collate(rows: list[dict], pad_id: int = 0, packed: bool = False) -> DraftBatch:
+    """Per-sample dicts (`input_ids`, `loss_mask`, `aux_hidden_states`, `last_hidden_state`) -> one batch: one
+    right-padded row per sample, or (`packed`) all samples end to end in a single row."""
     lengths = torch.tensor([len(row["input_ids"]) for row in rows])
-    longest = int(lengths.max())
+    groups = [rows] if packed else [[row] for row in rows]
+    width = int(lengths.sum()) if packed else int(lengths.max())
     first = rows[0]
-    input_ids = pad_right([row["input_ids"] for row in rows], pad_id)
-    loss_mask = pad_right([row["loss_mask"] for row in rows], 0)
-    aux = first["aux_hidden_states"].new_zeros(len(rows), longest, first["aux_hidden_states"].shape[-1])
-    last = first["last_hidden_state"].new_zeros(len(rows), longest, first["last_hidden_state"].shape[-1])
-    for b, row in enumerate(rows):
-        n = len(row["input_ids"])
-        aux[b, :n] = row["aux_hidden_states"]
-        last[b, :n] = row["last_hidden_state"]
-    return DraftBatch(input_ids, loss_mask, aux, last, lengths)
+    input_ids = torch.full((len(groups), width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(groups), width, dtype=torch.long)
+    position_ids = torch.zeros(len(groups), width, dtype=torch.long)
+    document_ids = torch.full((len(groups), width), -1, dtype=torch.long)
+    aux = first["aux_hidden_states"].new_zeros(len(groups), width, first["aux_hidden_states"].shape[-1])
+    last = first["last_hidden_state"].new_zeros(len(groups), width, first["last_hidden_state"].shape[-1])
+    document = 0
+    for b, group in enumerate(groups):
+        start = 0
+        for row in group:
+            n = len(row["input_ids"])
+            span = slice(start, start + n)
+            input_ids[b, span] = torch.as_tensor(row["input_ids"])
+            loss_mask[b, span] = torch.as_tensor(row["loss_mask"])
+            position_ids[b, span] = torch.arange(n)
+            document_ids[b, span] = document
+            aux[b, span] = row["aux_hidden_states"]
+            last[b, span] = row["last_hidden_state"]
+            start += n
+            document += 1
+    return DraftBatch(input_ids, loss_mask, aux, last, lengths, position_ids, document_ids)
 
 
 def shift_left(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
@@ -102,26 +122,42 @@ class TTTOutput:
     stats: torch.Tensor  # [ttt_length, 5] float64: loss sum, valid positions, correct, predicted, chain (above)
 
 
+def same_document(document_ids: torch.Tensor, step: int, mask_shift: int = 2) -> torch.Tensor:
+    """[B, T] bool: indices i whose step `step` reads and predicts inside i's own sample (the loss-mask index
+    i + mask_shift + step, the farthest it looks at, belongs to the same document). All real indices of a padded
+    row qualify up to the end of the sample; in a packed row this keeps a step from scoring the next sample."""
+    reach = max(mask_shift, 1) + step
+    return (shift_left(document_ids, reach, fill=-1) == document_ids) & (document_ids >= 0)
+
+
 def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 aux_hidden_states: torch.Tensor, target: TargetDistribution, *, ttt_length: int,
-                decay: float, mask_shift: int = 2) -> TTTOutput:
-    """Unroll the draft for `ttt_length` steps over a right-padded batch and score it against the target."""
+                decay: float, mask_shift: int = 2, drop_out_of_vocab: bool = True,
+                position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> TTTOutput:
+    """Unroll the draft for `ttt_length` steps over a batch (padded or packed, see `DraftBatch`; without
+    position and document ids: one sample per row, from position 0) and score it against the target."""
     seq_len = input_ids.shape[1]
-    positions = torch.arange(seq_len, device=input_ids.device).expand(input_ids.shape[0], -1)
+    if position_ids is None:
+        position_ids = torch.arange(seq_len, device=input_ids.device).expand(input_ids.shape[0], -1)
+    if document_ids is None:
+        document_ids = torch.zeros_like(input_ids)
     hidden = draft.project(aux_hidden_states)
-    kv = DraftKV()
+    kv = DraftKV(document_ids=document_ids)
     losses, stats = [], torch.zeros(ttt_length, 5, dtype=torch.float64, device=input_ids.device)
-    chain = predicted_token_mask(loss_mask, 0, mask_shift)  # indices whose chain is still all right
+    scorable = [predicted_token_mask(loss_mask, step, mask_shift) & same_document(document_ids, step, mask_shift)
+                for step in range(ttt_length)]
+    chain = scorable[0].clone()  # indices whose chain is still all right
     for step in range(ttt_length):
         scored = seq_len - 1 - step  # indices whose target position i+1+step lies inside the sequence
         if scored <= 0:
             break
-        hidden = draft(shift_left(input_ids, 1 + step), hidden, positions + step, kv, extend_base=step == 0)
+        hidden = draft(shift_left(input_ids, 1 + step), hidden, position_ids + step, kv, extend_base=step == 0)
         # Only positions whose predicted token is trained are scored (and only they need the LM head).
-        predicted = predicted_token_mask(loss_mask, step, mask_shift)[:, :scored]
+        predicted = scorable[step][:, :scored]
         log_probs = F.log_softmax(draft.logits(hidden[:, :scored][predicted]).float(), dim=-1)  # [N, Vd]
         target_argmax = target.argmax[:, 1 + step:][predicted]
-        in_vocab = draft.t2d[target_argmax.clamp(min=0)]
+        in_vocab = draft.t2d[target_argmax.clamp(min=0)] if drop_out_of_vocab else torch.ones_like(target_argmax,
+                                                                                                      dtype=torch.bool)
         target_probs = target.probs[:, 1 + step:][predicted][in_vocab]
         loss_sum = -(target_probs * log_probs[in_vocab]).sum()
         valid = in_vocab.sum()
@@ -162,21 +198,26 @@ def step_metrics(stats: torch.Tensor, decay: float) -> dict[str, float]:
 class TTTObjective(nn.Module):
     """The draft and its TTT loss as one module, so DDP / DeepSpeed see one forward per micro-step.
 
-    forward(input_ids, loss_mask, aux_hidden_states, target_probs, target_argmax) -> (loss, stats).
+    forward(input_ids, loss_mask, aux_hidden_states, target_probs, target_argmax, position_ids, document_ids)
+        -> (loss, stats).
     """
 
-    def __init__(self, draft: Eagle3Draft, *, ttt_length: int, decay: float, mask_shift: int = 2):
+    def __init__(self, draft: Eagle3Draft, *, ttt_length: int, decay: float, mask_shift: int = 2,
+                 drop_out_of_vocab: bool = True):
         super().__init__()
         self.draft = draft
         self.ttt_length = ttt_length
         self.decay = decay
         self.mask_shift = mask_shift
+        self.drop_out_of_vocab = drop_out_of_vocab
 
     def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: torch.Tensor,
-                target_probs: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                target_probs: torch.Tensor, target_argmax: torch.Tensor, position_ids: torch.Tensor,
+                document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = ttt_forward(self.draft, input_ids, loss_mask, aux_hidden_states,
                           TargetDistribution(target_probs, target_argmax), ttt_length=self.ttt_length,
-                          decay=self.decay, mask_shift=self.mask_shift)
+                          decay=self.decay, mask_shift=self.mask_shift, drop_out_of_vocab=self.drop_out_of_vocab,
+                          position_ids=position_ids, document_ids=document_ids)
         return out.loss, out.stats
 
 

@@ -9,11 +9,13 @@ stages that resume (`remove_partial`).
 A write that fails because the disk (or a quota, or a file-size limit) is full becomes a one-line `DiskFull`
 error naming the directory and the bytes needed; the temporary file is deleted, so nothing half-written stays.
 
-`content_hash` is the checksum recorded for shards, parts and checkpoint files (sha256 of the bytes).
+`content_hash` is the checksum recorded for shards, parts and checkpoint files (sha256 of the bytes);
+`HashingFile` computes the same checksum while a file is written, so a large shard is not read back to hash it.
 """
 
 import errno
 import hashlib
+import io
 import json
 import os
 import re
@@ -62,6 +64,40 @@ def content_hash(path: str | Path) -> str:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+class HashingFile(io.RawIOBase):
+    """A new file opened for writing that hashes its bytes as they are written: `hexdigest()` equals
+    `content_hash(path)` of the finished file. Write-only and sequential (no seek), as Arrow's file writer is."""
+
+    def __init__(self, path: str | Path):
+        super().__init__()
+        self._file = open(path, "wb", buffering=0)  # noqa: SIM115 (closed by close())
+        self._digest = hashlib.new(HASH_ALGORITHM)
+        self._size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        written = 0
+        while written < len(view):  # a raw write may be partial
+            written += self._file.write(view[written:])
+        self._digest.update(view)  # releases the GIL for large buffers
+        self._size += written
+        return written
+
+    def tell(self) -> int:
+        return self._size
+
+    def close(self) -> None:
+        if not self.closed:
+            self._file.close()
+        super().close()
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
 
 
 def is_disk_full(error: BaseException) -> bool:
@@ -148,15 +184,16 @@ def numbered_files(directory: Path, pattern: re.Pattern) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-def commit_unit(tmp: Path, path: Path, sidecar_path: Path, sidecar: dict) -> dict:
-    """Commit a work unit's file: its checksum goes into the sidecar, the sidecar is written atomically, then the
-    file is renamed into place (the commit point). Returns the sidecar as written.
+def commit_unit(tmp: Path, path: Path, sidecar_path: Path, sidecar: dict, checksum: str | None = None) -> dict:
+    """Commit a work unit's file: its checksum (`checksum`, e.g. a `HashingFile`'s, or computed from `tmp`) goes
+    into the sidecar, the sidecar is written atomically, then the file is renamed into place (the commit point).
+    Returns the sidecar as written.
 
     A kill at any moment leaves either `tmp` (and possibly an orphan sidecar) or the finished unit; a unit counts
     as finished only when both its file and its sidecar exist under their final names.
     """
     fsync_file(tmp)
-    sidecar = {**sidecar, "checksum": {HASH_ALGORITHM: content_hash(tmp), "bytes": tmp.stat().st_size}}
+    sidecar = {**sidecar, "checksum": {HASH_ALGORITHM: checksum or content_hash(tmp), "bytes": tmp.stat().st_size}}
     write_json_atomic(sidecar_path, sidecar)
     commit_file(tmp, path)
     return sidecar

@@ -16,7 +16,7 @@ import pyarrow as pa
 import torch
 
 from specgen.errors import SpecgenError
-from specgen.store.commit import commit_unit, disk_errors, numbered_files, tmp_path, write_json_atomic
+from specgen.store.commit import HashingFile, commit_unit, disk_errors, numbered_files, tmp_path, write_json_atomic
 from specgen.store.schema import Column, ShardSpec, arrow_schema, columns
 
 _SHARD_PATTERN = re.compile(r"shard-(\d{5,})\.arrow")
@@ -92,7 +92,8 @@ class ShardWriter:
         self._schema = arrow_schema(spec)
         self._columns = columns(spec)
         with disk_errors(self.out_dir, 1 << 16):
-            self._sink = pa.OSFile(str(self.tmp_path), "wb")
+            self._file = HashingFile(self.tmp_path)  # the checksum is computed as the bytes are written
+            self._sink = pa.PythonFile(self._file, mode="w")
             # No compression: shards are memory-mapped by the reader, which needs the raw bytes.
             self._writer = pa.ipc.new_file(self._sink, self._schema)
         self.committed = False
@@ -142,7 +143,7 @@ class ShardWriter:
         with disk_errors(self.out_dir, 1 << 16):
             self._close()
             commit_unit(self.tmp_path, self.path, self.out_dir / sidecar_name(self.index),
-                        {"stats": stats, "rejected": rejected, **(extra or {})})
+                        {"stats": stats, "rejected": rejected, **(extra or {})}, checksum=self._file.hexdigest())
         self.committed = True
         return self.path
 

@@ -121,7 +121,7 @@ KEYS: dict[str, Key] = {
     "train.grad_accum": _k("int", min=POSITIVE),
     "train.lr": _k("float", min=0),
     "train.min_lr_ratio": _k("float", min=0),
-    "train.warmup_steps": _k("int", min=0),
+    "train.warmup_steps": _k("int", null=True, min=0),
     "train.schedule": _k("str", choices=("cosine", "linear")),
     "train.optimizer": _k("str", choices=("adamw", "muon")),
     "train.weight_decay": _k("float", min=0),

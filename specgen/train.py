@@ -142,8 +142,10 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
                            f"and train.grad_accum={cfg.train.grad_accum}; lower train.batch_tokens or grad_accum")
     optimizer = build_optimizer(draft, name=cfg.train.optimizer, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
                                 weight_decay=cfg.train.weight_decay, muon_weight_decay=cfg.train.muon_weight_decay)
+    schedule_steps = cfg.train.schedule_steps or total_steps
+    warmup_steps = schedule_steps // 100 if cfg.train.warmup_steps is None else cfg.train.warmup_steps  # null: 1%
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(
-        cfg.train.schedule_steps or total_steps, cfg.train.warmup_steps, cfg.train.min_lr_ratio, cfg.train.schedule))
+        schedule_steps, warmup_steps, cfg.train.min_lr_ratio, cfg.train.schedule))
     backend = make_backend(cfg, objective, optimizer, scheduler, device, accelerator.num_processes)
 
     info = {"target": {"path": data.target_path, "config_hash": data.target_config_hash},

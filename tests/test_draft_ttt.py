@@ -73,7 +73,7 @@ def test_loss_and_accuracy_match_a_position_by_position_reference(mask_shift, dr
     out = ttt_forward(draft, batch.input_ids, batch.loss_mask, batch.aux_hidden_states, target,
                       ttt_length=steps, decay=decay, mask_shift=mask_shift, drop_out_of_vocab=drop)
 
-    sums = torch.zeros(steps, 5, dtype=torch.float64)
+    sums = torch.zeros(steps, 6, dtype=torch.float64)
     with torch.no_grad():
         for row in rows:  # each sample alone: padding must not matter
             n, ids, mask = len(row["input_ids"]), row["input_ids"], row["loss_mask"]
@@ -88,16 +88,19 @@ def test_loss_and_accuracy_match_a_position_by_position_reference(mask_shift, dr
                     target_logits = head.weight @ row["last_hidden_state"][i + 1 + step]
                     p = torch.softmax(target_logits[mapping.draft_to_target], dim=-1)
                     log_q = F.log_softmax(draft.logits(outputs[step][0, i]), dim=-1)
-                    in_vocab = bool(mapping.t2d[target_logits.argmax()]) or not drop  # keep: all are scored
+                    in_vocab = bool(mapping.t2d[target_logits.argmax()])
+                    in_loss = in_vocab or not drop  # keep: every position is in the loss
                     right = int(mapping.draft_to_target[log_q.argmax()] == target_logits.argmax())
                     alive[i] = alive[i] and bool(right)
-                    sums[step, :4] += torch.tensor([float(-(p * log_q).sum()) if in_vocab else 0.0, in_vocab,
+                    sums[step, :4] += torch.tensor([float(-(p * log_q).sum()) if in_loss else 0.0, in_loss,
                                                     right, 1.0], dtype=torch.float64)
+                    sums[step, 5] += in_vocab
                 sums[step, 4] += sum(alive)
     torch.testing.assert_close(out.stats, sums, rtol=1e-4, atol=1e-4)
     # Some scored positions have their target's top token outside the draft vocabulary (20 of 50 tokens):
     # dropping them changes the loss, keeping them scores every position.
-    assert (sums[:, 1] < sums[:, 3]).any() if drop else (sums[:, 1] == sums[:, 3]).all()
+    assert (sums[:, 5] < sums[:, 3]).any()
+    assert (sums[:, 1] == sums[:, 5]).all() if drop else (sums[:, 1] == sums[:, 3]).all()
     expected_loss = sum(decay ** j * sums[j, 0] / max(sums[j, 1], 1) for j in range(steps))
     assert out.loss.item() == pytest.approx(float(expected_loss), rel=1e-4)
     metrics = step_metrics(out.stats, decay)

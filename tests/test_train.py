@@ -170,14 +170,16 @@ def test_user_errors_are_one_line_messages(tmp_path):
         train(["train.optimizer=muon", "distributed=zero2", f"output.dir={tmp_path / 'z'}"])
 
 
-def test_training_that_scores_nothing_stops_with_an_error_about_the_draft_vocabulary(shards, tmp_path):
-    """The random target's top tokens lie outside the data's 50 most frequent trained tokens: nothing is scored."""
+@pytest.mark.parametrize("out_of_vocab", ["drop", "keep"])
+def test_training_that_scores_nothing_stops_with_an_error_about_the_draft_vocabulary(shards, tmp_path, out_of_vocab):
+    """The random target's top tokens lie outside the data's 50 most frequent trained tokens: nothing is scored
+    (whether such positions are left out of the loss or kept in it)."""
     top = json.loads((shards / "target_token_counts.json").read_text())
     # one trainable position (t with loss_mask[t+1] = 1) per trained token
     assert sum(top["counts"].values()) == json.loads((shards / "manifest.json").read_text())["stats"]["trainable_tokens"]
     with pytest.raises(SpecgenError) as error:
         train([f"data.shards={shards}", f"output.dir={tmp_path / 'data-vocab'}", "train.max_steps=4",
-               "draft.vocab_size=50", "train.log_every=2"])
+               "draft.vocab_size=50", "train.log_every=2", f"train.out_of_vocab={out_of_vocab}"])
     message = str(error.value)
     assert "\n" not in message and "no trainable position was scored in the first 2 steps" in message
     assert "draft vocabulary" in message and "regenerate" in message and "draft.vocab_source=target" in message

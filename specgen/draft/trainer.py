@@ -197,7 +197,8 @@ class DraftTrainer:
         return metrics
 
     def _require_scored(self, metrics: dict) -> None:
-        """Stop a run that scores no position in its first logging window: it would train nothing (loss 0)."""
+        """Stop a run whose first logging window has no position a draft can get right (the target's top token in
+        the draft vocabulary): it would train a draft that accepts nothing."""
         if metrics["scored"] > 0 and metrics["trainable_positions"] > 0:
             return
         if metrics["trainable_positions"] == 0:
@@ -209,7 +210,8 @@ class DraftTrainer:
         raise SpecgenError(
             f"no trainable position was scored in the first {self.state.step} steps: at all "
             f"{metrics['trainable_positions']:,} of them the target's top token lies outside the draft vocabulary "
-            f"({vocab:,} of {target_vocab:,} tokens: {source}), so the loss is 0 and the draft learns nothing; the "
+            f"({vocab:,} of {target_vocab:,} tokens: {source}), so no draft token can match it and the draft "
+            "would accept nothing; the "
             "responses were not written by this target: regenerate them with it (python -m specgen.regenerate, "
             "then generate), or build the vocabulary from the target's predictions (generate with capture.count_target_tokens=true, "
             "train with draft.vocab_source=target) or "

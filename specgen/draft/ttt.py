@@ -112,14 +112,16 @@ def target_positions_needed(loss_mask: torch.Tensor, mask_shift: int = 2) -> tor
 
 
 # Columns of the per-step statistics: sums, so they can be added over micro-steps and processes before dividing.
+# STAT_VALID: positions in the loss; STAT_IN_VOCAB: positions whose target top token is in the draft vocabulary
+# (the only ones a draft can get right; with train.out_of_vocab=drop the two are equal).
 # STAT_CHAIN: indices (scored by step 0) where steps 0..j all matched the target's argmax.
-STAT_LOSS_SUM, STAT_VALID, STAT_CORRECT, STAT_PREDICTED, STAT_CHAIN = range(5)
+STAT_LOSS_SUM, STAT_VALID, STAT_CORRECT, STAT_PREDICTED, STAT_CHAIN, STAT_IN_VOCAB = range(6)
 
 
 @dataclass
 class TTTOutput:
     loss: torch.Tensor  # what backward() runs on: sum_j decay^j * mean cross-entropy of step j
-    stats: torch.Tensor  # [ttt_length, 5] float64: loss sum, valid positions, correct, predicted, chain (above)
+    stats: torch.Tensor  # [ttt_length, 6] float64: loss sum, valid, correct, predicted, chain, in vocab (above)
 
 
 def same_document(document_ids: torch.Tensor, step: int, mask_shift: int = 2) -> torch.Tensor:
@@ -143,7 +145,7 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Te
         document_ids = torch.zeros_like(input_ids)
     hidden = draft.project(aux_hidden_states)
     kv = DraftKV(document_ids=document_ids)
-    losses, stats = [], torch.zeros(ttt_length, 5, dtype=torch.float64, device=input_ids.device)
+    losses, stats = [], torch.zeros(ttt_length, 6, dtype=torch.float64, device=input_ids.device)
     scorable = [predicted_token_mask(loss_mask, step, mask_shift) & same_document(document_ids, step, mask_shift)
                 for step in range(ttt_length)]
     chain = scorable[0].clone()  # indices whose chain is still all right
@@ -156,11 +158,11 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Te
         predicted = scorable[step][:, :scored]
         log_probs = F.log_softmax(draft.logits(hidden[:, :scored][predicted]).float(), dim=-1)  # [N, Vd]
         target_argmax = target.argmax[:, 1 + step:][predicted]
-        in_vocab = draft.t2d[target_argmax.clamp(min=0)] if drop_out_of_vocab else torch.ones_like(target_argmax,
-                                                                                                      dtype=torch.bool)
-        target_probs = target.probs[:, 1 + step:][predicted][in_vocab]
-        loss_sum = -(target_probs * log_probs[in_vocab]).sum()
-        valid = in_vocab.sum()
+        in_vocab = draft.t2d[target_argmax.clamp(min=0)]
+        in_loss = in_vocab if drop_out_of_vocab else torch.ones_like(in_vocab)
+        target_probs = target.probs[:, 1 + step:][predicted][in_loss]
+        loss_sum = -(target_probs * log_probs[in_loss]).sum()
+        valid = in_loss.sum()
         losses.append(loss_sum / valid.clamp(min=1) * decay ** step)
         with torch.no_grad():
             hits = draft.to_target_ids(log_probs.argmax(-1)) == target_argmax
@@ -168,7 +170,7 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Te
             right[:, :scored][predicted] = hits
             chain &= right
             stats[step] = torch.stack([loss_sum.detach().double(), valid.double(), hits.sum().double(),
-                                       predicted.sum().double(), chain.sum().double()])
+                                       predicted.sum().double(), chain.sum().double(), in_vocab.sum().double()])
     # A batch of 1-token samples scores nothing; its zero loss still touches the weights so backward() works.
     loss = torch.stack(losses).sum() if losses else draft.fc.weight.sum() * 0
     return TTTOutput(loss=loss, stats=stats)
@@ -177,7 +179,7 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Te
 def step_metrics(stats: torch.Tensor, decay: float) -> dict[str, float]:
     """loss, loss_j, acc_j, cacc_j and accept_len_sim from summed statistics (accuracy: draft argmax == target
     argmax; cacc_j and accept_len_sim: see the module docstring), and `scored`: the share of step 0's trainable
-    positions whose target top token lies in the draft vocabulary (the others add nothing to the loss)."""
+    positions whose target top token lies in the draft vocabulary (the others no draft token can match)."""
     stats = stats.double().cpu()
     metrics: dict[str, float] = {}
     losses = stats[:, STAT_LOSS_SUM] / stats[:, STAT_VALID].clamp(min=1)
@@ -185,9 +187,9 @@ def step_metrics(stats: torch.Tensor, decay: float) -> dict[str, float]:
     metrics["loss"] = float(sum(decay ** step * loss for step, loss in enumerate(losses)))
     metrics.update({f"loss_{step}": float(loss) for step, loss in enumerate(losses)})
     metrics.update({f"acc_{step}": float(acc) for step, acc in enumerate(accuracies)})
-    # Share of the trainable positions actually scored: the target's top token is inside the draft vocabulary.
+    # Share of the trainable positions a draft can get right: the target's top token is in the draft vocabulary.
     metrics["trainable_positions"] = int(stats[0, STAT_PREDICTED])
-    metrics["scored"] = float(stats[0, STAT_VALID] / stats[0, STAT_PREDICTED].clamp(min=1))
+    metrics["scored"] = float(stats[0, STAT_IN_VOCAB] / stats[0, STAT_PREDICTED].clamp(min=1))
     chains = torch.cat([stats[:1, STAT_PREDICTED], stats[:, STAT_CHAIN]])  # chain of length 0 is always right
     metrics.update({f"cacc_{step}": float(chains[step + 1] / chains[step].clamp(min=1))
                     for step in range(len(stats))})

@@ -18,6 +18,7 @@ import transformers
 
 from specgen.capture.target import CaptureOutput, TargetCapture
 from specgen.errors import SpecgenError
+from specgen.runtime.compat import cache_kwarg
 
 
 def find_decoder_layers(decoder: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:
@@ -47,8 +48,8 @@ class HookCapture(TargetCapture):
         hooks = [self._layers[layer].register_forward_hook(partial(self._hook, aux, layer))
                  for layer in self.aux_layers]
         try:
-            output = self._decoder(input_ids=input_ids, past_key_values=past_key_values,
-                                   use_cache=past_key_values is not None, output_hidden_states=False)
+            output = self._decoder(input_ids=input_ids, use_cache=past_key_values is not None,
+                                   output_hidden_states=False, **cache_kwarg(past_key_values))
         finally:
             for hook in hooks:
                 hook.remove()

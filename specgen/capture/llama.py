@@ -20,6 +20,7 @@ from specgen.capture.kv import (EXPLICIT_MASK_ATTENTION, GROUPED_ATTENTION, Grou
                                continuation_mask, grouped_past_attention)
 from specgen.capture.target import CaptureOutput, TargetCapture
 from specgen.errors import SpecgenError
+from specgen.runtime.compat import cache_kwarg
 
 LLAMA_FAMILY = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
@@ -70,7 +71,7 @@ class LlamaFamilyCapture(TargetCapture):
         if past is None:
             masks = {
                 kind: _MASK_BUILDERS[kind](config=self.model.config, inputs_embeds=hidden_state, attention_mask=None,
-                                           past_key_values=past_key_values, position_ids=position_ids)
+                                           position_ids=position_ids, **cache_kwarg(past_key_values))
                 for kind in set(self._layer_types)
             }
         else:  # rows continue shared prefixes of different lengths: per-row positions and masks
@@ -87,7 +88,7 @@ class LlamaFamilyCapture(TargetCapture):
         for index, decoder_layer in enumerate(body.layers[:self.num_layers]):
             output = decoder_layer(hidden_state, attention_mask=masks[self._layer_types[index]],
                                    position_ids=position_ids, position_embeddings=position_embeddings,
-                                   past_key_values=cache, use_cache=cache is not None)
+                                   use_cache=cache is not None, **cache_kwarg(cache))
             # transformers < 5 returns a tuple whose first element is the hidden state.
             hidden_state = output[0] if isinstance(output, tuple) else output
             self._keep_if_requested(aux, index, hidden_state)
@@ -109,8 +110,8 @@ class LlamaFamilyCapture(TargetCapture):
         try:
             for index, decoder_layer in enumerate(body.layers[:self.num_layers]):
                 output = decoder_layer(hidden_state, attention_mask=None, position_ids=position_ids,
-                                       position_embeddings=position_embeddings, past_key_values=recorder,
-                                       use_cache=True, grouped_past=past)
+                                       position_embeddings=position_embeddings, use_cache=True,
+                                       grouped_past=past, **cache_kwarg(recorder))
                 hidden_state = output[0] if isinstance(output, tuple) else output
                 self._keep_if_requested(aux, index, hidden_state)
         finally:

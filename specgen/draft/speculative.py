@@ -18,6 +18,7 @@ from transformers import DynamicCache
 
 from specgen.draft.model import DraftKV, Eagle3Draft
 from specgen.errors import SpecgenError
+from specgen.runtime.compat import cache_kwarg
 
 
 class TargetRunner:
@@ -47,7 +48,7 @@ class TargetRunner:
     def forward(self, token_ids: list[int], cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Consume `token_ids` after what `cache` holds: (logits [n, V] float32, aux hidden states [n, k*H])."""
         input_ids = torch.tensor([token_ids], device=self.device)
-        logits = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[0].float()
+        logits = self.model(input_ids=input_ids, use_cache=True, **cache_kwarg(cache)).logits[0].float()
         aux = torch.cat([self._outputs[layer][0] for layer in self.aux_layers], dim=-1)
         return logits, aux
 

@@ -13,9 +13,10 @@ and the wall time of training and of evaluation.
 
 --speculators PYTHON also trains vLLM's `speculators` trainer with the interpreter PYTHON (one where
 `pip install --no-deps speculators hs-connectors` works, e.g. .venv-vllm/bin/python) on the same shards, same
-draft architecture and vocabulary mapping, 4 TTT steps, 2 epochs, lr 5e-3 (`benchmarks/speculators_demo.py`
-applies and names its CPU patches) and evaluates it the same way. Its figure from issue 15 on this data, printed for
-reference: 2.73 (mean of seeds 0 and 1).
+draft architecture as specgen's defaults (`norm_before_residual=true`) and vocabulary mapping, the demo recipe's
+`train.batch_tokens` as its packing budget, 4 TTT steps, 2 epochs, lr 5e-3 (`benchmarks/speculators_demo.py`
+applies and names its CPU patches) and evaluates it the same way. Issue 15's figure for it on this data
+(`norm_before_residual=false`, 1024-token batches), printed for reference: 2.73 (mean of seeds 0 and 1).
 """
 
 import argparse
@@ -29,6 +30,8 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 SPECULATORS_REFERENCE = 2.73  # speculators 0.9, norm_before_residual=False, seeds 0 and 1 (issue 15)
@@ -184,12 +187,15 @@ def run_speculators(python: str, shards: Path, out: Path, seeds: list[int]) -> l
         print(f"speculators is not importable by {python}: pip install --no-deps speculators hs-connectors there "
               "(and the small packages it imports) to compare")
         return []
+    recipe = yaml.safe_load((REPO / "specgen" / "conf" / "recipes" / "demo.yaml").read_text())
+    batch_tokens = recipe["train"]["batch_tokens"]  # the packing budget specgen's demo trains with
     results = []
     for seed in seeds:
         ckpt = out / f"speculators-seed{seed}"
         start = time.perf_counter()
         subprocess.run([python, str(REPO / "benchmarks" / "speculators_demo.py"), "--shards", str(shards),
-                        "--out", str(ckpt), "--seed", str(seed)], check=True, env=_python_env(), cwd=REPO,
+                        "--out", str(ckpt), "--seed", str(seed), "--norm-before-residual",
+                        "--batch-tokens", str(batch_tokens)], check=True, env=_python_env(), cwd=REPO,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         train_seconds = time.perf_counter() - start
         result = evaluate_in_subprocess(ckpt)

@@ -1,15 +1,16 @@
 """Train vLLM's `speculators` (0.9) EAGLE-3 trainer on specgen's demo shards, on CPU; write a specgen checkpoint.
 
     .venv-vllm/bin/python benchmarks/speculators_demo.py --shards DIR --out CKPT [--seed 0] [--max-steps N]
-        [--norm-before-residual]
+        [--norm-before-residual] [--batch-tokens 1024]
 
 Used by `benchmarks/draft_quality.py --speculators` to compare trainers on the same data: the demo shards, the same
 draft architecture (one Llama layer shaped like the tiny target's, `norm_before_residual=False` unless asked), the
 same draft vocabulary mapping (specgen's d2t/t2d from the shards' token counts), 4 TTT steps, 2 epochs, lr 5e-3,
-1024-token batches (speculators packs samples to that budget), speculators' norm_before_fc and norm_output off
-(specgen's draft has neither; speculators 0.9 turns both on for EAGLE-3, and norm_before_residual too). Everything
-else is speculators' own defaults (LM head from the target, frozen; AdamW betas (0.9, 0.999); clipping 1.0;
-cosine to 0; loss mask m[i+1+j]; 0.1% of the samples held out for its validation pass).
+1024-token batches by default (--batch-tokens: speculators packs samples, in shuffled order, to that budget),
+speculators' norm_before_fc and norm_output off (specgen's draft has neither; speculators 0.9 turns both on for
+EAGLE-3, and norm_before_residual too). Everything else is speculators' own defaults (LM head from the target,
+frozen; Muon on the hidden matrices and AdamW, betas (0.9, 0.999), on the rest; clipping 1.0; linear decay to 0
+after a 1% warmup; loss mask m[i+1+j]; 0.1% of the samples held out for its validation pass).
 
 Data conversion: speculators reads a `datasets` folder (input_ids, loss_mask, seq_len) and one
 `hidden_states/hs_{i}.safetensors` per sample holding [T, 4, H] (3 aux layers + the last layer before the final
@@ -96,7 +97,7 @@ def train(args: argparse.Namespace) -> Path:
     argv = ["--verifier-name-or-path", str(args.target), "--data-path", str(data_dir), "--save-path",
             str(work / "checkpoints"), "--d2t-path", str(d2t), "--t2d-path", str(t2d),
             "--draft-vocab-size", str(args.draft_vocab_size), "--ttt-steps", "4", "--epochs", "2", "--lr", "5e-3",
-            "--total-seq-len", "1024", "--train-data-ratio", "0.999", "--num-workers", "0",
+            "--total-seq-len", str(args.batch_tokens), "--train-data-ratio", "0.999", "--num-workers", "0",
             "--hidden-states-dtype", "float32", "--draft-attn-impl", "eager", "--seed", str(args.seed),
             "--loss-implementation", "eager", "--logger", "", "--log-dir", str(work / "logs"), "--num-layers", "1",
             "--no-norm-before-fc", "--no-norm-output"]
@@ -137,6 +138,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--draft-vocab-size", type=int, default=1024)
     parser.add_argument("--max-steps", type=int)
+    parser.add_argument("--batch-tokens", type=int, default=1024, help="tokens per packed batch (--total-seq-len)")
     parser.add_argument("--norm-before-residual", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 Both packages are installed `--no-deps` in vLLM's venv (.ci/vllm-venv): their draft modeling code is pure Python.
 Each direction loads strictly (every stored tensor used, nothing missing but the target's embedding) and gives the
 same draft logits as specgen on the same inputs: a base step over a sequence, then one chain step (TTT step 1).
+And one training step of specgen's TTT objective equals speculators' trainer forward (same gradients).
 """
 
 import json
@@ -189,3 +190,83 @@ def test_specforge_checkpoint_without_eagle_config_loads_into_specgen(target, in
     draft = load_draft(tmp_path / "specforge", embedding=target[1], target_config=target[0]).eval()
     assert aux_layers_of(draft.config) == [1, 3, 4]
     assert_same(specgen_logits(draft, *inputs), specforge_logits(model, *inputs))
+
+
+def packed_training_batch(target_model, lengths=(9, 14, 11), seed: int = 1) -> dict:
+    """Three samples packed into one row, as both trainers lay them out: token ids, aux hidden states, the
+    target's final-norm input (speculators' `verifier_last_hidden_states`) and its output (specgen's
+    `last_hidden_state`), and loss masks whose prompts (the first 5 tokens of each sample) are not trained."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for n in lengths:
+        pre_norm = 3 * torch.randn(n, 128, generator=generator)
+        samples.append({"input_ids": torch.randint(3, 2048, (n,), generator=generator),
+                        "aux_hidden_states": torch.randn(n, 3 * 128, generator=generator),
+                        "pre_norm": pre_norm, "last_hidden_state": target_model.model.norm(pre_norm).detach(),
+                        "loss_mask": (torch.arange(n) >= 5).long()})
+    return samples
+
+
+def test_a_training_step_equals_speculators_trainer_step(target, tmp_path):
+    """Same weights, same packed batch, `train.loss_mask=input` and `out_of_vocab=keep` (the defaults): specgen's TTT
+    objective and speculators' Eagle3DraftModel.forward (its KL loss, 4 TTT steps, document masks) give the same
+    gradient on every weight both train. The `predicted` mask convention does not: the test tells them apart.
+    (Prompts are longer than the TTT depth: speculators does not check documents, so where a sample's prompt is
+    shorter it scores the previous sample's last positions against this sample's targets; specgen does not.)"""
+    from speculators.losses import eager
+
+    from specgen.draft.target_head import TargetHead
+    from specgen.draft.ttt import batch_target, collate, ttt_forward
+    from specgen.draft.vocab import VocabMapping
+
+    target_model = transformers.AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32)
+    config, embedding = target
+    torch.manual_seed(0)
+    draft = Eagle3Draft(draft_config(config, aux_layers=[1, 3, 4], draft_vocab_size=1024, norm_before_residual=True))
+    draft.d2t.copy_(torch.arange(1024))  # draft id d -> target id 2d
+    draft.t2d[torch.arange(1024) * 2] = True
+    for parameter in draft.parameters():
+        parameter.data.add_(0.1 * torch.randn_like(parameter))
+    draft.embed_tokens.weight.data.copy_(embedding)
+    lm_head = target_model.lm_head.weight.detach()
+    draft.init_lm_head_from_target(lm_head)
+    model = load_speculators(export(draft, "speculators", tmp_path / "speculators")).train()
+    assert model.config.norm_before_residual is True
+    model.embed_tokens.weight.data.copy_(embedding)
+    model.verifier_lm_head.weight.data.copy_(lm_head[draft.t2d])
+    model.verifier_norm.weight.data.copy_(target_model.model.norm.weight.detach())
+    samples = packed_training_batch(target_model)
+
+    # speculators: each sample shifted by one (its shift_batch: token t+1 with hidden state t), then concatenated
+    parts = {"hidden_states": [], "input_ids": [], "document_ids": [], "loss_mask": [], "position_ids": [],
+             "verifier_last_hidden_states": []}
+    for document, sample in enumerate(samples):
+        n = len(sample["input_ids"])
+        parts["hidden_states"].append(sample["aux_hidden_states"][:-1])
+        parts["input_ids"].append(sample["input_ids"][1:])
+        parts["verifier_last_hidden_states"].append(sample["pre_norm"][1:])
+        parts["loss_mask"].append(sample["loss_mask"][1:].bool())
+        parts["position_ids"].append(torch.arange(1, n))
+        parts["document_ids"].append(torch.full((n - 1,), document))
+    _, their_loss, _ = model(**{name: torch.cat(values)[None] for name, values in parts.items()}, ttt_steps=4,
+                             ttt_step_loss_decay=1.0, loss_config={"kl_div": (eager.kl_div_loss, 1.0)})
+    their_loss.backward()
+    theirs = {name.replace("layers.0.", "midlayer."): p.grad for name, p in model.named_parameters() if p.requires_grad}
+
+    head = TargetHead(lm_head, VocabMapping(torch.arange(1024) * 2, 2048))
+    batch = collate(samples, pad_id=0, packed=True)
+
+    def our_gradients(mask_shift: int) -> dict[str, torch.Tensor]:
+        draft.zero_grad()
+        out = ttt_forward(draft, batch.input_ids, batch.loss_mask, batch.aux_hidden_states,
+                          batch_target(head, batch, mask_shift), ttt_length=4, decay=1.0, mask_shift=mask_shift,
+                          drop_out_of_vocab=False, position_ids=batch.position_ids, document_ids=batch.document_ids)
+        out.loss.backward()  # cross-entropy: KL plus the target's entropy, which has no gradient
+        return {name: p.grad.clone() for name, p in draft.named_parameters() if name in theirs}
+
+    assert set(theirs) == {"fc.weight", "norm.weight"} | {n for n in theirs if n.startswith("midlayer.")}
+    assert len(theirs) == 12
+    for mask_shift, agrees in ((1, True), (2, False)):
+        ours = our_gradients(mask_shift)
+        worst = max(float((ours[name] - theirs[name]).norm() / theirs[name].norm()) for name in theirs)
+        assert (worst < 1e-4) is agrees, (mask_shift, worst)

@@ -47,10 +47,10 @@ def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: in
 
     from specgen.assets import ASSETS_DIR
     from specgen.capture.target import load_target
+    from specgen.data.prompts import chat_prompt_ids, read_prompts
     from specgen.draft.checkpoint import load_draft, read_draft_config, specgen_info
     from specgen.draft.model import aux_layers_of
     from specgen.draft.speculative import TargetRunner, speculative_generate
-    from specgen.evaluate import read_prompts
     from specgen.runtime import load_tokenizer, stop_token_ids
 
     torch.set_num_threads(1)
@@ -69,8 +69,7 @@ def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: in
         messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
         for text in prompt.user_turns:
             messages.append({"role": "user", "content": text})
-            encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+            ids = chat_prompt_ids(tokenizer, messages)
             out = speculative_generate(target, draft, ids, num_draft_tokens=num_draft_tokens,
                                        max_new_tokens=max_new_tokens, eos_ids=eos_ids)
             rounds += out.verification_rounds

@@ -15,71 +15,23 @@ turn, with its prompt and output token ids, so another engine can replay exactly
 """
 
 import json
-import logging
 from collections import defaultdict
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 
 from specgen.capture.target import load_target
 from specgen.config import stage_main
-from specgen.data.formats import Conversation, normalize, record_id
-from specgen.data.sources import iter_records
+from specgen.data.prompts import Prompt, chat_prompt_ids, read_prompts
 from specgen.draft.checkpoint import load_draft, read_raw_config, specgen_info
 from specgen.draft.model import aux_layers_of
 from specgen.draft.speculative import Generation, TargetRunner, greedy_generate, speculative_generate
-from specgen.errors import RowError, SpecgenError
+from specgen.errors import SpecgenError
 from specgen.runtime import load_tokenizer, resolve_device, set_threads, stop_token_ids
 from specgen.progress import format_table
 from specgen.store.commit import write_json_atomic, write_text_atomic
 
-log = logging.getLogger("specgen.evaluate")
-
 TURNS = ("all", "first")
-
-
-@dataclass
-class Prompt:
-    id: str
-    category: str
-    system: str | None
-    user_turns: list[str]
-
-
-def read_prompts(path: str, max_prompts: int | None = None) -> Iterator[Prompt]:
-    """Prompts from MT-Bench style rows ({"turns": [...], "category"}) or from conversations (their user turns)."""
-    count = 0
-    for source in iter_records(path):
-        if max_prompts is not None and count >= max_prompts:
-            return
-        record = source.record
-        if record is None:
-            log.warning("skipping row %d of %s: %s", source.index, path, source.error)
-            continue
-        prompt_id = record_id(record) or f"row-{source.index}"
-        category = str(record.get("category", "all"))
-        if "turns" in record:
-            turns = record["turns"]
-            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-                log.warning("skipping row %d of %s: 'turns' must be a non-empty list of strings", source.index, path)
-                continue
-            yield Prompt(prompt_id, category, None, list(turns))
-        else:
-            try:
-                conversation = normalize(record)
-            except RowError as error:
-                log.warning("skipping row %d of %s: %s", source.index, path, error.message)
-                continue
-            if not isinstance(conversation, Conversation):
-                log.warning("skipping row %d of %s: pre-tokenized rows hold no prompt text", source.index, path)
-                continue
-            messages = conversation.messages
-            system = messages[0]["content"] if messages[0]["role"] == "system" else None
-            yield Prompt(prompt_id, category, system, [m["content"] for m in messages if m["role"] == "user"])
-        count += 1
 
 
 def run(cfg: DictConfig) -> dict:
@@ -132,7 +84,7 @@ def _evaluate_prompt(prompt: Prompt, target: TargetRunner, draft, tokenizer, cfg
     results = []
     for turn, text in enumerate(turns):
         messages.append({"role": "user", "content": text})
-        prompt_ids = _token_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        prompt_ids = chat_prompt_ids(tokenizer, messages)
         reference = greedy_generate(target, prompt_ids, max_new_tokens=cfg.evaluate.max_new_tokens, eos_ids=eos_ids)
         speculative = speculative_generate(target, draft, prompt_ids, num_draft_tokens=cfg.evaluate.num_draft_tokens,
                                            max_new_tokens=cfg.evaluate.max_new_tokens, eos_ids=eos_ids)
@@ -140,11 +92,6 @@ def _evaluate_prompt(prompt: Prompt, target: TargetRunner, draft, tokenizer, cfg
         messages.append({"role": "assistant",
                          "content": tokenizer.decode(reference.tokens, skip_special_tokens=True)})
     return results
-
-
-def _token_ids(encoded) -> list[int]:
-    """apply_chat_template(tokenize=True) returns a list or, in recent transformers, a BatchEncoding."""
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
 def _sample_record(prompt: Prompt, turn: int, prompt_ids: list[int], reference: Generation,

@@ -138,6 +138,9 @@ KEYS: dict[str, Key] = {
     "train.save_every": _k("int", null=True, min=POSITIVE),
     "train.resume": _k("bool"),
     "train.tensorboard": _k("bool"),
+    "train.eval_every": _k("int", min=0),
+    "train.eval_prompts": _k("str", null=True),
+    "train.eval_max_prompts": _k("int", min=POSITIVE),
     # evaluate: speculative decoding on prompts
     "evaluate.num_draft_tokens": _k("int", min=POSITIVE),
     "evaluate.max_new_tokens": _k("int", min=POSITIVE),

@@ -25,6 +25,7 @@ from specgen.capture import make_capture
 from specgen.capture.layers import default_aux_layers, validate_aux_layers
 from specgen.capture.target import config_hash, load_target
 from specgen.config import stage_main, to_container
+from specgen.data.prompts import read_prompts
 from specgen.data.template import ChatTemplateTokenizer
 from specgen.draft.batches import BatchPlan
 from specgen.draft.checkpoint import (
@@ -39,8 +40,10 @@ from specgen.draft.checkpoint import (
 from specgen.draft.distributed import DDPBackend, DeepSpeedBackend
 from specgen.draft.model import Eagle3Draft, aux_layers_of, draft_config
 from specgen.draft.offline import OfflineBatches
-from specgen.draft.optim import build_optimizer
 from specgen.draft.online import OnlineBatches, tokenize_source
+from specgen.draft.optim import build_optimizer
+from specgen.draft.probe import AcceptanceProbe
+from specgen.draft.speculative import TargetRunner
 from specgen.draft.target_head import TargetHead, load_target_weights
 from specgen.draft.trainer import METRICS, DraftTrainer, LoopSettings, TrainerState, lr_schedule
 from specgen.draft.ttt import MASK_SHIFTS, TTTObjective
@@ -55,7 +58,7 @@ from specgen.draft.vocab import (
 )
 from specgen.errors import SpecgenError
 from specgen.progress import format_table
-from specgen.runtime import load_tokenizer, resolve_device, set_threads
+from specgen.runtime import load_tokenizer, resolve_device, set_threads, stop_token_ids
 from specgen.store.lease import hold_job_lease
 from specgen.store.reader import open_shards
 
@@ -78,6 +81,7 @@ class TrainingData:
     target_config: transformers.PretrainedConfig
     description: str
     target_top_counts: dict[int, int] | None = None  # the target's top token at trainable positions (generate)
+    target_model: transformers.PreTrainedModel | None = None  # the whole target, when loaded (online)
 
 
 MODES = ("offline", "online")
@@ -87,6 +91,11 @@ def run(cfg: DictConfig) -> dict:
     if cfg.mode not in MODES:
         raise SpecgenError(f"mode={cfg.mode!r} is unknown; use mode=offline (data.shards) or mode=online "
                            "(model.path + data.path)")
+    if cfg.train.eval_every and cfg.train.eval_prompts is None:
+        raise SpecgenError(f"train.eval_every={cfg.train.eval_every} decodes held-out prompts: pass "
+                           "train.eval_prompts=FILE (MT-Bench style rows or conversations)")
+    if cfg.train.eval_every and not Path(cfg.train.eval_prompts).exists():
+        raise SpecgenError(f"train.eval_prompts={cfg.train.eval_prompts}: no such file or folder")
     if cfg.train.optimizer == "muon" and cfg.distributed.strategy == "deepspeed":
         raise SpecgenError("train.optimizer=muon needs whole matrices, which DeepSpeed's ZeRO partitions; use "
                            "distributed=ddp or train.optimizer=adamw")
@@ -156,6 +165,7 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
         lease.check()
         save_draft(draft, out_dir, {**info, "step": state.step, "epoch": state.epoch})
 
+    probe = acceptance_probe(cfg, data, device) if is_main and cfg.train.eval_every else None
     if cfg.train.tensorboard:
         accelerator.init_trackers("tensorboard")
     trainer = DraftTrainer(
@@ -163,9 +173,10 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
         settings=LoopSettings(total_steps=total_steps, grad_accum=cfg.train.grad_accum,
                               ttt_decay=cfg.train.ttt_decay, log_every=cfg.train.log_every,
                               save_every=cfg.train.save_every, autocast_dtype=_autocast_dtype(cfg, device),
-                              mask_shift=mask_shift),
+                              mask_shift=mask_shift, eval_every=cfg.train.eval_every),
         log_tracker=accelerator.log if cfg.train.tensorboard else None, progress=cfg.runtime.progress,
-        vocab_source="checkpoint" if resume or cfg.draft.init else cfg.draft.vocab_source)
+        vocab_source="checkpoint" if resume or cfg.draft.init else cfg.draft.vocab_source,
+        probe=(lambda: probe(draft)) if probe is not None else None)
     if resume:
         trainer.resume()
         weights_step = specgen_info(read_draft_config(out_dir)).get("step")
@@ -276,7 +287,22 @@ def online_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> Train
                         aux_layers=list(capture.aux_layers), token_counts=dict(counts),
                         embedding=model.get_input_embeddings().weight.detach(),
                         lm_head=capture.lm_head.weight.detach(), target_config=model.config,
-                        description=f"online {Path(cfg.data.path).resolve()} ({len(samples)} samples)")
+                        description=f"online {Path(cfg.data.path).resolve()} ({len(samples)} samples)",
+                        target_model=model)
+
+
+def acceptance_probe(cfg: DictConfig, data: TrainingData, device: torch.device) -> AcceptanceProbe:
+    """Speculative decoding of the live draft on train.eval_prompts (main process): offline, the whole target is
+    loaded for it (in model.dtype); online, the target in the loop serves."""
+    prompts = list(read_prompts(cfg.train.eval_prompts, cfg.train.eval_max_prompts))
+    tokenizer = load_tokenizer(cfg.tokenizer.path or data.target_path)
+    model = data.target_model
+    if model is None:
+        model = load_target(data.target_path, dtype=cfg.model.dtype, device=str(device),
+                            attn_implementation=cfg.model.attn_implementation)
+    return AcceptanceProbe(TargetRunner(model, data.aux_layers), tokenizer, prompts,
+                           num_draft_tokens=cfg.evaluate.num_draft_tokens, max_new_tokens=cfg.evaluate.max_new_tokens,
+                           eos_ids=set(stop_token_ids(model, tokenizer)))
 
 
 LM_HEAD_INITS = ("target", "random")
@@ -401,6 +427,9 @@ def _print_summary(out_dir: Path, data: TrainingData, draft: Eagle3Draft, state:
                              "window; the rest have the target's top token outside the draft vocabulary)"),
         ("simulated acceptance", f"{metrics.get('accept_len_sim', float('nan')):.2f} (chain of "
                                  f"{sum(k.startswith('acc_') for k in metrics)} drafts, greedy, last logging window)"),
+        *([("acceptance (decoded)", f"{metrics['accept_len']:.2f} = 1 + accepted / rounds over "
+                                    f"{metrics['accept_rounds']} rounds of real speculative decoding on the "
+                                    "train.eval_prompts, last step")] if "accept_len" in metrics else []),
         ("throughput", f"{metrics.get('tokens_per_s', 0):,.0f} tokens/s (last logging window)"),
         ("metrics", str(out_dir / METRICS)),
     ]))

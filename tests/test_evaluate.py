@@ -11,7 +11,7 @@ from specgen.config import compose
 from specgen.draft.checkpoint import save_draft
 from specgen.draft.model import Eagle3Draft, draft_config
 from specgen.draft.speculative import TargetRunner, greedy_generate, speculative_generate
-from specgen.evaluate import read_prompts
+from specgen.data.prompts import read_prompts
 from tests.conftest import DATASETS, build_tiny_model, require_shared
 from tests.test_draft_model import one_thread  # noqa: F401 (fixture)
 

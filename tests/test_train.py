@@ -223,3 +223,71 @@ def test_norm_before_residual_and_loss_mask_options_reach_the_checkpoint_and_met
     assert 1 <= line["accept_len_sim"] <= 4 and 0 <= line["cacc_2"] <= 1
     with pytest.raises(SpecgenError, match="train.loss_mask"):  # the schema names the key
         train([f"data.shards={shards}", f"output.dir={tmp_path / 'x'}", "train.loss_mask=output"])
+
+
+@pytest.fixture(scope="module")
+def demo_shards(tmp_path_factory) -> Path:
+    """Shards of 60 demo conversations through the bundled (trained) tiny target: a draft learns to be accepted."""
+    from specgen.generate import run as generate
+
+    out = tmp_path_factory.mktemp("demo-shards")
+    generate(compose("generate", ["recipe=demo", "data.max_rows=60", f"output.dir={out}", "runtime.progress=false"]))
+    return out
+
+
+def test_the_acceptance_probe_decodes_like_evaluate_and_leaves_training_unchanged(demo_shards, tmp_path):
+    """train.eval_every=10 adds real speculative decoding of the live draft to the metrics lines of steps 10, 20
+    and the last (24); its last figure is specgen.evaluate's on the saved checkpoint (first turns, the same prompts,
+    K and length), and the weights are those of the same run without it."""
+    from specgen.evaluate import run as evaluate
+    from specgen.train import run as run_train
+
+    prompts = ASSETS_DIR / "chat" / "heldout.jsonl"
+    common = ["recipe=demo", f"data.shards={demo_shards}", "train.max_steps=24", "train.log_every=8",
+              "evaluate.max_new_tokens=32", "evaluate.num_draft_tokens=3", "model.dtype=float32",
+              "train.num_workers=0", "train.tensorboard=false", "runtime.progress=false"]
+    probed, plain = tmp_path / "probed", tmp_path / "plain"
+    run_train(compose("train", [*common, f"output.dir={probed}", "train.eval_every=10",
+                                f"train.eval_prompts={prompts}", "train.eval_max_prompts=4"]))
+    run_train(compose("train", [*common, f"output.dir={plain}", "train.eval_every=0"]))
+
+    lines = metrics(probed)
+    assert [line["step"] for line in lines] == [8, 10, 16, 20, 24]  # probe steps are logged besides log_every's
+    assert [("accept_len" in line) for line in lines] == [False, True, False, True, True]
+    assert [line["step"] for line in metrics(plain)] == [8, 16, 24]
+    assert not any("accept_len" in line for line in metrics(plain))
+    expected, got = load_file(plain / "model.safetensors"), load_file(probed / "model.safetensors")
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+
+    report = evaluate(compose("evaluate", ["recipe=demo", f"draft.path={probed}", "evaluate.turns=first",
+                                           "evaluate.max_prompts=4", "evaluate.max_new_tokens=32",
+                                           "evaluate.num_draft_tokens=3", f"output.dir={tmp_path / 'eval'}",
+                                           "runtime.progress=false"]))
+    assert lines[-1]["accept_rounds"] == report["verification_rounds"]
+    assert lines[-1]["accept_len"] == pytest.approx(report["acceptance_length"], abs=1e-12)
+    assert 1 < lines[-1]["accept_len"] <= 4  # the draft is accepted: the comparison is not one of zeros
+
+
+def test_the_acceptance_probe_online_shares_the_target_in_the_loop(tmp_path):
+    """Online, the probe decodes with the target that captures the batches (its hooks beside the capture's): the
+    same weights as without it, and the figure logged."""
+    from specgen.train import run as run_train
+
+    common = ["recipe=demo", "mode=online", "data.max_rows=16", "train.max_steps=6", "train.log_every=3",
+              "evaluate.max_new_tokens=16", "train.tensorboard=false", "runtime.progress=false"]
+    probed, plain = tmp_path / "probed", tmp_path / "plain"
+    run_train(compose("train", [*common, f"output.dir={probed}", "train.eval_every=3",
+                                f"train.eval_prompts={ASSETS_DIR / 'chat' / 'heldout.jsonl'}",
+                                "train.eval_max_prompts=2"]))
+    run_train(compose("train", [*common, f"output.dir={plain}", "train.eval_every=0"]))
+    assert [line["accept_rounds"] > 0 for line in metrics(probed)] == [True, True]
+    assert not any("accept_len" in line for line in metrics(plain))
+    expected, got = load_file(plain / "model.safetensors"), load_file(probed / "model.safetensors")
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+
+
+def test_the_acceptance_probe_needs_its_prompts_before_anything_loads(tmp_path):
+    with pytest.raises(SpecgenError, match="pass train.eval_prompts=FILE"):
+        train([f"output.dir={tmp_path / 'x'}", "train.eval_every=5"])
+    with pytest.raises(SpecgenError, match="train.eval_prompts=.*no such file"):
+        train([f"output.dir={tmp_path / 'y'}", "train.eval_every=5", f"train.eval_prompts={tmp_path / 'none'}"])

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from specgen.assets import ASSETS_DIR
 from tests.test_train import QUICK, data_overrides, metrics, shards, target, train  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
@@ -35,9 +36,13 @@ def optimizer_for(distributed: str) -> list[str]:
 
 @pytest.mark.parametrize("distributed", ["ddp", "zero2"])
 def test_two_processes_equal_one_process_accumulating(distributed, shards, tmp_path):  # noqa: F811
+    """... with the acceptance probe on the main process at step 1, which log_every=2 alone would not log: every
+    process must log (all-reduce) there too, and the probe must not change the weights."""
     steps = ["train.max_steps=2", "train.schedule_steps=2", *optimizer_for(distributed)]
-    launch_two([f"data.shards={shards}", f"output.dir={tmp_path / 'two'}", f"distributed={distributed}", *steps],
-               tmp_path)
+    probe = ["train.log_every=2", "train.eval_every=1", f"train.eval_prompts={ASSETS_DIR / 'chat' / 'heldout.jsonl'}",
+             "train.eval_max_prompts=2", "evaluate.max_new_tokens=8"]
+    launch_two([f"data.shards={shards}", f"output.dir={tmp_path / 'two'}", f"distributed={distributed}", *steps,
+                *probe], tmp_path)
     train([f"data.shards={shards}", f"output.dir={tmp_path / 'one'}", "train.grad_accum=2", *steps])
 
     two, one = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
@@ -45,6 +50,7 @@ def test_two_processes_equal_one_process_accumulating(distributed, shards, tmp_p
         torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-6, msg=name)
     lines_two, lines_one = metrics(tmp_path / "two"), metrics(tmp_path / "one")
     assert [line["step"] for line in lines_two] == [1, 2]
+    assert all(line["accept_rounds"] > 0 for line in lines_two)
     assert [line["tokens_seen"] for line in lines_two] == [line["tokens_seen"] for line in lines_one]
     assert lines_two[-1]["loss"] == pytest.approx(lines_one[-1]["loss"], rel=1e-4)
 

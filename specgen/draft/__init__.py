@@ -11,6 +11,7 @@
     checkpoint.py   the `LlamaForCausalLMEagle3` checkpoint layout, as vLLM reads it (aux ids = layer outputs + 1)
     formats.py      export to / import from the vllm, sglang, specforge and speculators layouts (aux-id conventions)
     speculative.py  greedy speculative decoding and the reference greedy decoding, for evaluation
+    probe.py        acceptance length of the live draft during training (speculative decoding on held-out prompts)
 """
 
 from specgen.draft.checkpoint import load_draft, save_draft

@@ -47,6 +47,7 @@ class LoopSettings:
     save_every: int | None  # None: save at the end only
     autocast_dtype: torch.dtype | None  # bf16 mixed precision on GPU, None for full precision
     mask_shift: int = 2  # step j at index i is scored where loss_mask[i + mask_shift + j] (specgen.draft.ttt)
+    eval_every: int = 0  # optimizer steps between acceptance probes (and at the last step); 0: none
 
 
 @dataclass
@@ -92,12 +93,14 @@ class _Window:
 
 
 class DraftTrainer:
-    """Runs the loop. `save_draft(state)` writes the draft (main process only), `backend.save` the optimizer."""
+    """Runs the loop. `save_draft(state)` writes the draft (main process only), `backend.save` the optimizer;
+    `probe()` (main process only, every `settings.eval_every` steps) returns metrics of the live draft, such as
+    `specgen.draft.probe.AcceptanceProbe`'s, merged into that step's metrics line."""
 
     def __init__(self, *, backend: Backend, head: TargetHead, source: BatchSource, settings: LoopSettings,
                  out_dir: Path, save_draft: Callable[[TrainerState], None], is_main: bool,
                  log_tracker: Callable[[dict, int], None] | None = None, progress: bool = True,
-                 vocab_source: str = "data"):
+                 vocab_source: str = "data", probe: Callable[[], dict] | None = None):
         self.backend = backend
         self.head = head
         self.source = source
@@ -108,6 +111,7 @@ class DraftTrainer:
         self.log_tracker = log_tracker
         self.progress = progress
         self.vocab_source = vocab_source  # where the draft vocabulary came from, for the nothing-scored error
+        self.probe = probe
         self.state = TrainerState()
         self._first_window = True
 
@@ -142,11 +146,15 @@ class DraftTrainer:
                 state.step += 1
                 bar.update(1)
                 saving = bool(settings.save_every) and state.step % settings.save_every == 0
+                # Decided from settings alone, so every process logs (an all-reduce) at the same steps.
+                probing = bool(settings.eval_every) and (state.step % settings.eval_every == 0
+                                                         or state.step == settings.total_steps)
                 # A checkpoint always follows a log line, so the saved token count includes every trained batch.
-                if saving or state.step % settings.log_every == 0 or state.step == settings.total_steps:
-                    last_metrics = self._log(window)
+                if saving or probing or state.step % settings.log_every == 0 or state.step == settings.total_steps:
+                    last_metrics = self._log(window, probing=probing)
+                    accept = f" accept_len {last_metrics['accept_len']:.2f}" if "accept_len" in last_metrics else ""
                     bar.set_postfix_str(f"loss {last_metrics['loss']:.3f} acc_0 {last_metrics['acc_0']:.3f} "
-                                        f"scored {last_metrics['scored']:.2f}")
+                                        f"scored {last_metrics['scored']:.2f}{accept}")
                     window = _Window()
                 if saving:
                     self.checkpoint()
@@ -175,7 +183,7 @@ class DraftTrainer:
         self.backend.update(boundary=boundary)
         return stats.detach()
 
-    def _log(self, window: _Window) -> dict:
+    def _log(self, window: _Window, probing: bool = False) -> dict:
         totals = self.backend.all_reduce_sum(torch.cat([window.stats.flatten(),
                                                         torch.tensor([float(window.tokens)], dtype=torch.float64,
                                                                      device=window.stats.device)]))
@@ -186,6 +194,8 @@ class DraftTrainer:
                    **step_metrics(totals[:-1].view(window.stats.shape), self.settings.ttt_decay),
                    "lr": self.backend.learning_rate(), "tokens_per_s": tokens / max(seconds, 1e-9),
                    "tokens_seen": self.state.tokens_seen}
+        if probing and self.is_main and self.probe is not None:
+            metrics.update(self.probe())
         if self.is_main:
             with open(self.out_dir / METRICS, "a") as f:
                 f.write(json.dumps(metrics) + "\n")

@@ -53,6 +53,21 @@ def test_speculative_output_equals_greedy_output(target_dir, num_draft_tokens):
         assert all(0 <= a <= num_draft_tokens for a in result.accepted)
 
 
+def test_target_runner_hooks_the_layers_only_during_its_own_forwards(target_dir):
+    """A target shared with online training's capture must run there without the runner's hooks."""
+    from transformers import DynamicCache
+
+    model = load(target_dir)
+    runner = TargetRunner(model, AUX)
+    layers = model.get_decoder().layers
+    logits, aux = runner.forward([5, 6, 7], DynamicCache())
+    assert aux.shape == (3, len(AUX) * model.config.hidden_size) and logits.shape[0] == 3
+    assert not any(layer._forward_hooks for layer in layers)
+    with torch.inference_mode():
+        states = model(input_ids=torch.tensor([[5, 6, 7]]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(aux, torch.cat([states[layer + 1][0] for layer in AUX], dim=-1))
+
+
 def test_acceptance_is_counted_per_verification_round(target_dir):
     """A target whose LM head is zero always picks token 0 (argmax of ties); a draft whose head is zero always
     proposes its draft id 0. Mapped to target 0, every draft token is accepted (K+1 per round); mapped to

@@ -269,8 +269,8 @@ def test_the_acceptance_probe_decodes_like_evaluate_and_leaves_training_unchange
 
 
 def test_the_acceptance_probe_online_shares_the_target_in_the_loop(tmp_path):
-    """Online, the probe decodes with the target that captures the batches (its hooks beside the capture's): the
-    same weights as without it, and the figure logged."""
+    """Online, the probe decodes with the target that captures the batches (its layer hooks only during its own
+    forwards): the same weights as without it, and the figure logged."""
     from specgen.train import run as run_train
 
     common = ["recipe=demo", "mode=online", "data.max_rows=16", "train.max_steps=6", "train.log_every=3",

@@ -22,23 +22,18 @@ from specgen.runtime.compat import cache_kwarg
 
 
 class TargetRunner:
-    """The target with a KV cache; each forward also returns the outputs of the aux decoder layers."""
+    """The target with a KV cache; each forward also returns the outputs of the aux decoder layers.
+
+    Its layer hooks live only for the duration of its own forwards, so a target shared with the training loop
+    (online training's capture) runs without them there and keeps no layer output alive between forwards."""
 
     def __init__(self, model: transformers.PreTrainedModel, aux_layers: list[int]):
         self.model = model
-        layers = getattr(model.get_decoder(), "layers", None)
-        if layers is None:
+        self._layers = getattr(model.get_decoder(), "layers", None)
+        if self._layers is None:
             raise SpecgenError(f"{type(model).__name__} exposes no decoder `layers`; speculative evaluation "
                                "supports decoder-only models with model.model.layers (Llama, Qwen, Mistral, ...)")
-        self._outputs: dict[int, torch.Tensor] = {}
         self.aux_layers = list(aux_layers)
-        for layer in self.aux_layers:
-            layers[layer].register_forward_hook(self._keeper(layer))
-
-    def _keeper(self, layer: int):
-        def keep(module, args, output):
-            self._outputs[layer] = output[0] if isinstance(output, tuple) else output
-        return keep
 
     @property
     def device(self) -> torch.device:
@@ -47,9 +42,21 @@ class TargetRunner:
     @torch.inference_mode()
     def forward(self, token_ids: list[int], cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Consume `token_ids` after what `cache` holds: (logits [n, V] float32, aux hidden states [n, k*H])."""
-        input_ids = torch.tensor([token_ids], device=self.device)
-        logits = self.model(input_ids=input_ids, use_cache=True, **cache_kwarg(cache)).logits[0].float()
-        aux = torch.cat([self._outputs[layer][0] for layer in self.aux_layers], dim=-1)
+        outputs: dict[int, torch.Tensor] = {}
+
+        def keeper(layer: int):
+            def keep(module, args, output):
+                outputs[layer] = output[0] if isinstance(output, tuple) else output
+            return keep
+
+        hooks = [self._layers[layer].register_forward_hook(keeper(layer)) for layer in self.aux_layers]
+        try:
+            input_ids = torch.tensor([token_ids], device=self.device)
+            logits = self.model(input_ids=input_ids, use_cache=True, **cache_kwarg(cache)).logits[0].float()
+        finally:
+            for hook in hooks:
+                hook.remove()
+        aux = torch.cat([outputs[layer][0] for layer in self.aux_layers], dim=-1)
         return logits, aux
 
 

@@ -9,7 +9,10 @@ plus its overrides; `demo` is the recipe as shipped. Every (configuration, seed)
 79 held-out demo turns (chat/heldout.jsonl, K=4 drafts a round, greedy, 96 new tokens a turn) with
 `specgen.draft.speculative`. Acceptance length is counted the way vLLM counts it: 1 + accepted draft tokens /
 verification rounds, pooled over all turns. Printed: per configuration, mean ± std over seeds, each seed's value,
-and the wall time of training and of evaluation.
+and the wall time of training and of evaluation; then each configuration's difference from the first one, paired by
+seed. A seed fixes the draft's initialisation and the batch order, so two configurations trained with the same seeds
+differ by less noise than their means do (on the demo, std ~0.07-0.14 per seed pair against ~0.13 between seeds).
+--previous FILE adds the results.jsonl of an earlier run (its configurations and seeds) without training them again.
 
 --speculators PYTHON also trains vLLM's `speculators` trainer with the interpreter PYTHON (one where
 `pip install --no-deps speculators hs-connectors` works, e.g. .venv-vllm/bin/python) on the same shards, same
@@ -35,7 +38,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 SPECULATORS_REFERENCE = 2.73  # speculators 0.9, norm_before_residual=False, seeds 0 and 1 (issue 15)
-EVAL = dict(num_draft_tokens=4, max_new_tokens=96)
+EVAL = {"num_draft_tokens": 4, "max_new_tokens": 96}
 
 
 def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: int = 96) -> dict:
@@ -138,7 +141,24 @@ def summarize(results: list[dict]) -> list[tuple[str, int, float, float, list[fl
     return rows
 
 
-def print_table(rows, reference: float | None) -> None:
+def paired_differences(results: list[dict]) -> list[tuple[str, str, list[int], float, float]]:
+    """(name, baseline, seeds, mean, standard error) of each configuration's acceptance minus the first
+    configuration's, over the seeds both trained (same seed: same initialisation and batch order)."""
+    by_name: dict[str, dict[int, float]] = {}
+    for result in results:
+        by_name.setdefault(result["name"], {})[result["seed"]] = result["acceptance_length"]
+    baseline, *others = by_name
+    rows = []
+    for name in others:
+        seeds = sorted(set(by_name[name]) & set(by_name[baseline]))
+        diffs = [by_name[name][seed] - by_name[baseline][seed] for seed in seeds]
+        if diffs:
+            error = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+            rows.append((name, baseline, seeds, statistics.mean(diffs), error))
+    return rows
+
+
+def print_table(rows, reference: float | None, paired=()) -> None:
     print(f"\n{'configuration':<34} {'seeds':>5} {'acceptance (mean ± std)':>24}  {'per seed':<22} "
           f"{'train s':>8} {'eval s':>7}")
     for name, n, mean, std, values, train_s, eval_s in rows:
@@ -146,6 +166,9 @@ def print_table(rows, reference: float | None) -> None:
         print(f"{name:<34} {n:>5} {mean:>15.3f} ± {std:.3f}  {per_seed:<22} {train_s:>8.0f} {eval_s:>7.0f}")
     if reference is not None:
         print(f"{'speculators 0.9 (issue 15, 2 seeds)':<34} {2:>5} {reference:>15.3f}")
+    for name, baseline, seeds, mean, error in paired:
+        print(f"{name} - {baseline}, paired on seeds {' '.join(map(str, seeds))}: {mean:+.3f} ± {error:.3f} "
+              "(standard error)")
     print("acceptance length = 1 + accepted draft tokens / verification rounds (vLLM's counting), 79 held-out "
           f"turns, K={EVAL['num_draft_tokens']}, greedy, {EVAL['max_new_tokens']} new tokens")
 
@@ -160,6 +183,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="trainings at once (each on one thread)")
     parser.add_argument("--speculators", metavar="PYTHON",
                         help="also train with speculators' trainer, run by this interpreter (where it is installed)")
+    parser.add_argument("--previous", type=Path, action="append", default=[], metavar="FILE",
+                        help="results.jsonl of an earlier run, shown (and paired) with this run's results")
     parser.add_argument("--out", type=Path, help="keep checkpoints and results.jsonl here (default: a temp dir)")
     parser.add_argument("--evaluate", help=argparse.SUPPRESS)  # internal: evaluate one checkpoint, print JSON
     args = parser.parse_args()
@@ -177,12 +202,14 @@ def main() -> None:
             results = list(pool.map(lambda job: train_and_evaluate(*job, shards, out), jobs))
         if args.speculators:
             results += run_speculators(args.speculators, shards, out, args.seeds)
-        print_table(summarize(results), SPECULATORS_REFERENCE)
+        for path in args.previous:
+            results = [json.loads(line) for line in path.read_text().splitlines() if line] + results
+        print_table(summarize(results), SPECULATORS_REFERENCE, paired_differences(results))
 
 
 def run_speculators(python: str, shards: Path, out: Path, seeds: list[int]) -> list[dict]:
     """speculators' trainer on the same shards (see benchmarks/speculators_demo.py); skipped when not installed."""
-    if subprocess.run([python, "-c", "import speculators.train.cli"], capture_output=True).returncode != 0:
+    if subprocess.run([python, "-c", "import speculators.train.cli"], capture_output=True, check=False).returncode != 0:
         print(f"speculators is not importable by {python}: pip install --no-deps speculators hs-connectors there "
               "(and the small packages it imports) to compare")
         return []

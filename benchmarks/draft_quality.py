@@ -192,6 +192,9 @@ def main() -> None:
         print(json.dumps(acceptance(args.evaluate, **EVAL)))
         return
 
+    # Read before training, so a wrong path fails at once; in the order given, so the first file's first
+    # configuration is the baseline of the paired differences.
+    previous = [json.loads(line) for path in args.previous for line in path.read_text().splitlines() if line]
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
@@ -202,8 +205,7 @@ def main() -> None:
             results = list(pool.map(lambda job: train_and_evaluate(*job, shards, out), jobs))
         if args.speculators:
             results += run_speculators(args.speculators, shards, out, args.seeds)
-        for path in args.previous:
-            results = [json.loads(line) for line in path.read_text().splitlines() if line] + results
+        results = previous + results
         print_table(summarize(results), SPECULATORS_REFERENCE, paired_differences(results))
 
 

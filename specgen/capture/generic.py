@@ -16,6 +16,7 @@ from functools import partial
 import torch
 import transformers
 
+from specgen.capture.layers import layer_output_hooks
 from specgen.capture.target import CaptureOutput, TargetCapture
 from specgen.errors import SpecgenError
 from specgen.runtime.compat import cache_kwarg
@@ -45,16 +46,8 @@ class HookCapture(TargetCapture):
 
     def _forward(self, input_ids: torch.LongTensor, past_key_values: transformers.Cache | None = None) -> CaptureOutput:
         aux = self._new_aux_buffer(input_ids)
-        hooks = [self._layers[layer].register_forward_hook(partial(self._hook, aux, layer))
-                 for layer in self.aux_layers]
-        try:
+        with layer_output_hooks(self._layers, self.aux_layers, partial(self._keep_if_requested, aux)):
             output = self._decoder(input_ids=input_ids, use_cache=past_key_values is not None,
                                    output_hidden_states=False, **cache_kwarg(past_key_values))
-        finally:
-            for hook in hooks:
-                hook.remove()
         # ModelOutput and tuple outputs both carry the final-norm output first.
         return CaptureOutput(aux_hidden_states=aux, last_hidden_state=output[0])
-
-    def _hook(self, aux: torch.Tensor, layer: int, module: torch.nn.Module, args: tuple, output) -> None:
-        self._keep_if_requested(aux, layer, output[0] if isinstance(output, tuple) else output)

@@ -13,7 +13,10 @@ Convention (public: configs, shard metadata and the trainer all use it):
   dimension, so it is kept exactly as given.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
 
 from specgen.errors import SpecgenError
 
@@ -49,3 +52,23 @@ def validate_aux_layers(layers: Sequence[int], num_layers: int) -> list[int]:
             raise SpecgenError(f"capture.aux_layers lists layer {layer} twice ({list(layers)}); list each layer once")
         checked.append(int(layer))
     return checked
+
+
+@contextmanager
+def layer_output_hooks(layers: torch.nn.ModuleList, indices: Sequence[int],
+                       keep: Callable[[int, torch.Tensor], None]) -> Iterator[None]:
+    """Inside the block, every forward of decoder layer `i` (for `i` in `indices`) calls `keep(i, hidden_states)`
+    with that layer's output; the hooks are removed on leaving it, errors included, so a model shared with other
+    code carries no hook of ours outside the block."""
+
+    def hook_for(index: int):
+        def hook(module, args, output):
+            keep(index, output[0] if isinstance(output, tuple) else output)
+        return hook
+
+    hooks = [layers[index].register_forward_hook(hook_for(index)) for index in indices]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()

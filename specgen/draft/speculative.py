@@ -16,6 +16,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from specgen.capture.layers import layer_output_hooks
 from specgen.draft.model import DraftKV, Eagle3Draft
 from specgen.errors import SpecgenError
 from specgen.runtime.compat import cache_kwarg
@@ -43,19 +44,9 @@ class TargetRunner:
     def forward(self, token_ids: list[int], cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Consume `token_ids` after what `cache` holds: (logits [n, V] float32, aux hidden states [n, k*H])."""
         outputs: dict[int, torch.Tensor] = {}
-
-        def keeper(layer: int):
-            def keep(module, args, output):
-                outputs[layer] = output[0] if isinstance(output, tuple) else output
-            return keep
-
-        hooks = [self._layers[layer].register_forward_hook(keeper(layer)) for layer in self.aux_layers]
-        try:
-            input_ids = torch.tensor([token_ids], device=self.device)
+        input_ids = torch.tensor([token_ids], device=self.device)
+        with layer_output_hooks(self._layers, self.aux_layers, outputs.__setitem__):
             logits = self.model(input_ids=input_ids, use_cache=True, **cache_kwarg(cache)).logits[0].float()
-        finally:
-            for hook in hooks:
-                hook.remove()
         aux = torch.cat([outputs[layer][0] for layer in self.aux_layers], dim=-1)
         return logits, aux
 

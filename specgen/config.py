@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specgen.assets import asset_path
 from specgen.errors import SpecgenError
-from specgen.schema import KEYS, closest_key, is_missing, validate
+from specgen.schema import KEYS, REFERENCE, closest_key, is_missing, validate
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 RECIPES_DIR = CONF_DIR / "recipes"
@@ -54,7 +54,7 @@ def _check_override_key(arg: str) -> None:
         return
     if key in KEYS or any(key.startswith(f"{name}.") and spec.kind == "dict" for name, spec in KEYS.items()):
         return
-    raise SpecgenError(f"unknown config key {key}{closest_key(key)}; see README 'Configuration keys'")
+    raise SpecgenError(f"unknown config key {key}{closest_key(key)}; see {REFERENCE}")
 
 
 def _recipe_name(name: str, out: list[str]) -> str:
@@ -144,6 +144,10 @@ def stage_main(config_name: str) -> Callable[[Callable[[DictConfig], object]], C
         def main() -> None:
             user_args[:] = [arg for arg in sys.argv[1:] if not arg.startswith("-")]
             try:
+                shown = _cfg_job_overrides(sys.argv[1:])
+                if shown is not None:  # the config run(cfg) would get: embedded default applied, resolved, validated
+                    print(OmegaConf.to_yaml(compose(config_name, shown), resolve=True), end="")
+                    return
                 if not any(arg.startswith(("-", "hydra.")) for arg in sys.argv[1:]):
                     compose(config_name, user_args)  # every config error in one line, before Hydra makes a run dir
                 sys.argv = [sys.argv[0], *_hydra_argv(sys.argv[1:], config_name)]
@@ -155,6 +159,23 @@ def stage_main(config_name: str) -> Callable[[Callable[[DictConfig], object]], C
         return main
 
     return decorate
+
+
+def _cfg_job_overrides(argv: list[str]) -> list[str] | None:
+    """The overrides of `--cfg job [--resolve] key=value ...`, or None when argv asks for anything else (Hydra's own
+    `--cfg hydra`, `--info`, ... go to Hydra). Hydra's `--cfg job` would print the config before the embedded default
+    and unresolved (`???`, `${...}`); specgen prints what the stage would run with instead."""
+    rest, asked, args = [], False, iter(argv)
+    for arg in args:
+        if arg in ("--cfg", "-c"):
+            if next(args, None) != "job":
+                return None
+            asked = True
+        elif arg != "--resolve":
+            if arg.startswith("-"):
+                return None
+            rest.append(arg)
+    return rest if asked else None
 
 
 def compose(config_name: str, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
@@ -178,7 +199,7 @@ def _one_line(message: str, stage: str) -> str:
     first = message.strip().splitlines()[0]
     if first.startswith("Could not override '"):
         key = first.split("'")[1]
-        return f"{key} is not a key of specgen.{stage} (it belongs to another stage); see README 'Configuration keys'"
+        return f"{key} is not a key of specgen.{stage} (it belongs to another stage); see {REFERENCE}"
     return first
 
 

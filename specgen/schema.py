@@ -4,7 +4,8 @@ The YAML files in `specgen/conf/` give each key its default and its one-line com
 `validate(cfg, stage)` runs on the composed config of a stage before anything is loaded and raises a one-line
 `SpecgenError` naming the first offending key: an unknown key (with the closest valid one), a required key left
 unset (`???`), a value of the wrong type, outside its choices or below its minimum. One key means one thing in
-every stage: the table is the project's single vocabulary of keys (README "Configuration keys").
+every stage: the table is the project's single vocabulary of keys. The configuration reference of the docs
+(`docs/reference/configuration.md`) is generated from it and the YAML (`docs/gen_config_reference.py`).
 """
 
 import difflib
@@ -34,6 +35,7 @@ def _k(kind: str, *, null: bool = False, choices: tuple = (), min: float | None 
 
 
 POSITIVE = 1
+REFERENCE = "docs/reference/configuration.md"  # where error messages send the user: every key, generated from here
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 KEYS: dict[str, Key] = {
@@ -193,7 +195,7 @@ def validate(cfg: DictConfig, stage: str) -> None:
     for name in leaves(cfg):
         spec = KEYS.get(name)
         if spec is None:
-            raise SpecgenError(f"unknown config key {name}{closest_key(name)}; see README 'Configuration keys'")
+            raise SpecgenError(f"unknown config key {name}{closest_key(name)}; see {REFERENCE}")
         if is_missing(cfg, name):
             raise SpecgenError(f"{name} is required by specgen.{stage}: pass {name}=...")
         _check_value(name, OmegaConf.select(cfg, name), spec)

@@ -5,7 +5,7 @@ All of it comes from one capture (`CaptureOutput`) and the target's LM head; eve
     outputs = SampleOutputs.from_config(cfg, capture)
     outputs.add_columns(rows, out, input_ids)   # hidden states (bf16 or fp8) + the optional columns, on the CPU
 
-Conventions (public; README "More from the same forward", recorded in the manifest):
+Conventions (public; docs/guides/generate.md "More from the same forward", recorded in the manifest):
 
 * Hidden state t is computed from tokens 0..t and predicts token t+1.
 * **Trainable positions** are the t with `loss_mask[t + 1] == 1`: the positions whose hidden state predicts a

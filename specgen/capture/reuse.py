@@ -7,7 +7,7 @@ its own suffix, computed with the chain's keys and values as the past (`specgen.
 out as a full forward gives them, within the dtype's rounding (other batch shapes run other kernels, and the
 attention over [past ; new] is merged from two fused calls).
 
-Where the time goes, and how this path keeps it low (measured: README "Shared-prefix reuse"):
+Where the time goes, and how this path keeps it low (measured: docs/concepts/prefix-reuse.md):
   * attention stays on SDPA's fused kernel: the new tokens attend causally to themselves (`is_causal`, no mask) and
     each group of rows continuing one prefix attends, folded into one query sequence, to that prefix's keys (no
     mask); the halves are merged by log-sum-exp. No [B, 1, q, past + q] mask is ever built.
@@ -175,12 +175,12 @@ class _UnitRun:
                 "last_hidden_state": torch.cat([last for _, last in parts])}
 
 
-# A batch's padded tokens stay within this share of its real tokens (measured: README "Shared-prefix reuse").
+# A batch's padded tokens stay within this share of its real tokens (measured: docs/concepts/prefix-reuse.md).
 MAX_PADDING = 0.1
 
 # Reuse a unit's prefixes only when they save at least this share of its tokens. Below it the reuse path's own
 # costs (a level's batches split from the next, two attention calls merged per layer, rows assembled from parts)
-# outweigh the saving, and the plain path gives the same rows (README "Shared-prefix reuse", the reuse rule).
+# outweigh the saving, and the plain path gives the same rows (docs/concepts/prefix-reuse.md, the reuse rule).
 MIN_SAVING = 0.05
 
 

@@ -85,7 +85,7 @@ def test_vllm_reads_the_ids_as_hidden_states_indices(trained):
     equal specgen.evaluate's with aux layers (ids - 1), read through draft.foreign_aux_ids=hidden_states, and differ
     from the draft as written. (Whether the trained layers also *beat* their neighbours is not a property to
     assert: with the demo recipe's draft, ids - 1 give 2.09 against 2.30 as written, but ids + 1 give 2.40, the
-    toy target's deeper layers being more informative; README, "Serving the draft".)"""
+    toy target's deeper layers being more informative; docs/serving.md.)"""
     from specgen.evaluate import run as evaluate
 
     as_written = replay(trained, "draft", "--target", str(TARGET), "--draft", str(trained["draft"]))

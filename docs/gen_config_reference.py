@@ -147,11 +147,12 @@ def _type(spec: Key) -> str:
     return text + (", or `null`" if spec.nullable else "")
 
 
-def _defaults(row: Row) -> str:
+def _defaults(row: Row, group_stages: list[str]) -> str:
+    """The default, per stage where stages differ or where only some of the group's stages have the key."""
     by_value: dict[str, list[str]] = {}
     for stage, value in row.defaults.items():
         by_value.setdefault(_value(value, row.key), []).append(stage)
-    if len(by_value) == 1:
+    if len(by_value) == 1 and list(row.defaults) == group_stages:
         parts = list(by_value)
     else:
         parts = [f"{value} ({', '.join(stages)})" for value, stages in by_value.items()]
@@ -184,9 +185,9 @@ def render() -> str:
             group = top
             stages = sorted({s for r in table.values() if r.key.split(".")[0] == top for s in r.defaults},
                             key=STAGES.index)
-            out += ["", f"## `{top}`", "", f"Stages: {', '.join(stages) or 'with a group option only'}.", "",
+            out += ["", f"## `{top}`", "", f"Stages: {', '.join(stages)}.", "",
                     "| key | type | default | meaning |", "|---|---|---|---|"]
-        out.append(f"| `{key}` | {_cell(_type(row.spec))} | {_cell(_defaults(row))} | {_meaning(row)} |")
+        out.append(f"| `{key}` | {_cell(_type(row.spec))} | {_cell(_defaults(row, stages))} | {_meaning(row)} |")
     return "\n".join(out).lstrip("\n") + "\n"
 
 

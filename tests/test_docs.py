@@ -182,14 +182,16 @@ def documented_commands() -> list[tuple[str, str, str, list[str]]]:
     return found
 
 
+COMMANDS = documented_commands()
+
+
 def test_commands_are_found():
-    commands = documented_commands()
-    assert len(commands) > 40
-    assert {stage for _, _, stage, _ in commands} == set(STAGES)
+    assert len(COMMANDS) > 40
+    assert {stage for _, _, stage, _ in COMMANDS} == set(STAGES)
 
 
-@pytest.mark.parametrize("page, line, stage, args", documented_commands(),
-                         ids=lambda value: value if isinstance(value, str) and len(value) < 30 else "")
+@pytest.mark.parametrize("page, line, stage, args", COMMANDS,
+                         ids=[f"{page}:{stage}:{n}" for n, (page, _, stage, _) in enumerate(COMMANDS)])
 def test_documented_command_composes(page, line, stage, args):
     """Composed and validated as the command line does, without running; a key the command leaves to the user
     (`draft.path` in an elided command) is filled in, a wrong key or value fails."""

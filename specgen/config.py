@@ -1,9 +1,10 @@
 """Hydra glue shared by every stage (`python -m specgen.<stage> recipe=NAME key=value ...`).
 
-Each stage has a primary config `specgen/conf/<stage>.yaml` composed from the groups in `specgen/conf/` (model,
-data, capture, output, ...); the configs ship inside the package, so a wheel installed anywhere runs every stage.
-A recipe (`specgen/conf/recipes/NAME.yaml`, `# @package _global_`) is a complete experiment: it is merged after
+Each stage has a primary config `conf/<stage>.yaml` composed from the groups in `conf/` (model, data, capture,
+output, ...). A recipe (`recipes/NAME.yaml`, `# @package _global_`) is a complete experiment: it is merged after
 the stage's defaults and before command-line overrides, so `recipe=demo model.path=X` works as expected.
+Both folders sit at the repository's top; the wheel carries them inside the package (`specgen/conf/` and
+`specgen/conf/recipes/`, see setup.py), so a wheel installed anywhere runs every stage.
 `recipe=` also takes a path to a recipe file of the user's own (`recipe=./my_recipe.yaml`).
 """
 
@@ -19,8 +20,16 @@ from specgen.assets import asset_path
 from specgen.errors import SpecgenError
 from specgen.schema import KEYS, REFERENCE, closest_key, is_missing, validate
 
-CONF_DIR = Path(__file__).resolve().parent / "conf"
-RECIPES_DIR = CONF_DIR / "recipes"
+def _config_dirs() -> tuple[Path, Path]:
+    """(configs, recipes): inside the package when installed from a wheel, else the checkout's top folders."""
+    packaged = Path(__file__).resolve().parent / "conf"
+    if packaged.is_dir():
+        return packaged, packaged / "recipes"
+    checkout = Path(__file__).resolve().parent.parent
+    return checkout / "conf", checkout / "recipes"
+
+
+CONF_DIR, RECIPES_DIR = _config_dirs()
 
 if not OmegaConf.has_resolver("asset"):
     OmegaConf.register_new_resolver("asset", asset_path)
@@ -41,6 +50,8 @@ def _hydra_argv(argv: list[str], stage: str) -> list[str]:
             name = arg.split("=", 1)[1]
             arg = f"+recipes@_global_={_recipe_name(name, out)}"
         out.append(arg)
+    if RECIPES_DIR.parent != CONF_DIR and not any(arg.startswith("hydra.searchpath=") for arg in out):
+        out.insert(0, f"hydra.searchpath=[file://{RECIPES_DIR.parent}]")  # a checkout: recipes/ beside conf/
     return out
 
 

@@ -119,5 +119,9 @@ def test_console_command_runs_a_stage(tmp_path):
     assert help_text.returncode == 0 and "generate" in help_text.stdout
 
 
-def test_configs_ship_inside_the_package():
-    assert CONF_DIR.is_relative_to(REPO / "specgen") and (CONF_DIR / "generate.yaml").is_file()
+def test_configs_and_recipes_sit_at_the_top_of_a_checkout():
+    """In a checkout conf/ and recipes/ are top-level folders (a wheel carries them inside the package: .ci/run
+    installs one and runs a stage from another folder)."""
+    assert CONF_DIR == REPO / "conf" and (CONF_DIR / "generate.yaml").is_file()
+    assert RECIPES_DIR == REPO / "recipes" and (RECIPES_DIR / "demo.yaml").is_file()
+    assert not (REPO / "specgen" / "conf").exists()

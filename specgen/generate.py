@@ -303,10 +303,14 @@ def count_trainable_token_ids(out_dir: Path, shards: list[str], vocab_size: int)
     return counts
 
 
-def dataset_identity(cfg: DictConfig, model_config_hash: str, template_sha: str) -> dict:
-    """Everything that changes the bytes of the dataset (and nothing that only changes speed)."""
+def dataset_identity(cfg: DictConfig, model_config_hash: str, template_sha: str, target: Target) -> dict:
+    """Everything that changes the bytes of the dataset (and nothing that only changes speed): besides the inputs,
+    what computes the numbers (engine, attention kernel, the dtype model.dtype resolved to, the capture backend),
+    so a dataset started with one never resumes with another and the manifest's backend holds for every shard."""
     return {"model.path": str(Path(cfg.model.path).resolve()), "model.config_hash": model_config_hash,
-            "model.dtype": cfg.model.dtype, "tokenizer.path": str(Path(cfg.tokenizer.path).resolve()),
+            "model.dtype": target.spec.dtype, "engine.name": cfg.engine.name,
+            "model.attn_implementation": cfg.model.attn_implementation, "capture.backend": target.capture.backend,
+            "tokenizer.path": str(Path(cfg.tokenizer.path).resolve()),
             "chat_template_sha256": template_sha, "data": to_container(cfg.data),
             "capture.aux_layers": to_container(cfg.capture).get("aux_layers"),
             "output.shard_size": cfg.output.shard_size, "output.store_prefix_once": cfg.output.store_prefix_once,
@@ -453,7 +457,7 @@ def generate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease) -> di
                                  mask_empty_think=cfg.data.mask_empty_think,
                                  chat_template_kwargs=to_container(cfg.data)["chat_template_kwargs"])
     target = load_capture(cfg, tokenizer, device)
-    identity = dataset_identity(cfg, config_hash(target.capture.model), chat_template_sha256(tokenizer))
+    identity = dataset_identity(cfg, config_hash(target.capture.model), chat_template_sha256(tokenizer), target)
     done = claim_for_job(cfg, out_dir, identity, workers)
     if cfg.capture.count_target_tokens and not counts_top_tokens(cfg, target):
         log.warning("capture.count_target_tokens: the target's LM head is not whole in this process (engine=%s), so "

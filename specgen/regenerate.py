@@ -115,11 +115,15 @@ def generation_settings(cfg: DictConfig, regenerator: ConversationRegenerator) -
                                "transformers generate: left-padded batches, KV cache")}
 
 
-def dataset_identity(cfg: DictConfig, model_config_hash: str, template_sha: str, generation: dict) -> dict:
-    """Everything that changes the dataset's content (and nothing that only changes speed, such as batch size)."""
+def dataset_identity(cfg: DictConfig, model_config_hash: str, template_sha: str, generation: dict,
+                     dtype: str) -> dict:
+    """Everything that changes the dataset's content (and nothing that only changes speed, such as batch size):
+    the engine, attention kernel and the dtype model.dtype resolved to among them."""
     data = to_container(cfg.data)
     return {"model.path": str(Path(cfg.model.path).resolve()), "model.config_hash": model_config_hash,
-            "model.dtype": cfg.model.dtype, "tokenizer.path": str(Path(cfg.tokenizer.path).resolve()),
+            "model.dtype": dtype, "engine.name": cfg.engine.name,
+            "model.attn_implementation": cfg.model.attn_implementation,
+            "tokenizer.path": str(Path(cfg.tokenizer.path).resolve()),
             "chat_template_sha256": template_sha,
             "data": {key: data[key] for key in ("path", "max_length", "max_rows", "on_bad_row")},
             "generation": generation, "output.shard_size": cfg.output.shard_size}
@@ -233,7 +237,7 @@ def regenerate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease, sou
     model = load_model(cfg, workers.device)
     regenerator = build_regenerator(cfg, tokenizer, model)
     identity = dataset_identity(cfg, config_hash(model), chat_template_sha256(tokenizer),
-                                generation_settings(cfg, regenerator))
+                                generation_settings(cfg, regenerator), str(model.dtype).removeprefix("torch."))
 
     if workers.is_main:
         if claim_output_dir(out_dir, identity, overwrite=cfg.output.overwrite):

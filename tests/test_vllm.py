@@ -176,6 +176,20 @@ def test_qwen3_bfloat16_rows_and_logprobs_equal_hf(qwen3, data, tmp_path):
         assert abs(float(row["mean_logprob"]) - float(ref["mean_logprob"])) < 2e-2
 
 
+def test_a_dataset_started_with_hf_does_not_resume_with_vllm(llama, data, tmp_path):
+    """Shards of two engines never mix: the resume refuses in one line naming the key."""
+    out = tmp_path / "out"
+    run_hf("generate", f"model.path={llama}", f"data.path={data}", f"output.dir={out}", "data.max_rows=3", *COMMON)
+    done = subprocess.run(vllm_cmd("generate", f"model.path={llama}", f"data.path={data}", f"output.dir={out}",
+                                   "data.max_rows=3", *COMMON, *IN_PROCESS), cwd=REPO, env=vllm_env(),
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"error: output.dir={out} holds a dataset made with a different configuration "
+                            "(changed: capture.backend, engine.name)"), error
+    assert json.loads((out / "manifest.json").read_text())["capture"]["backend"] == "llama"
+
+
 @pytest.mark.parametrize("override, message", [
     ("capture.logits=topk", "capture.logits=topk is not available with engine=vllm"),
     ("capture.logprob_temperature=0.5", "capture.logprob_temperature=0.5"),

@@ -45,7 +45,7 @@ from specgen.filters import SampleFilter
 from specgen.outdir import claim_output_dir, fingerprint
 from specgen.pipeline import BackgroundWriter, copy_to_host, prefetched, to_device
 from specgen.progress import format_table, human_bytes
-from specgen.runtime import load_tokenizer, resolve_device, set_threads
+from specgen.runtime import load_tokenizer, resolve_device, resolve_model_dtype, set_threads
 from specgen.store.manifest import merge_rejected, shard_checksums, summarize_shards, write_manifest
 from specgen.store.prefix_layout import PrefixRefEncoder, bytes_flat
 from specgen.store.commit import write_json_atomic
@@ -384,6 +384,7 @@ def print_summary(manifest: dict, out_dir: Path, computed_tokens: int, seconds: 
     print(format_table([
         ("output", str(out_dir)),
         ("source", source_rows),
+        ("target dtype", manifest.get("last_run", {}).get("dtype", manifest["dtype"])),
         ("samples", f"{stats['samples']:,} in {len(manifest['shards'])} shards"),
         ("tokens", f"{stats['tokens']:,} ({stats['trainable_tokens']:,} trainable)"),
         ("rejected rows", rejected_text),
@@ -456,6 +457,8 @@ def generate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease) -> di
     chat = ChatTemplateTokenizer(tokenizer, max_length=cfg.data.max_length, train_turns=cfg.data.train_turns,
                                  mask_empty_think=cfg.data.mask_empty_think,
                                  chat_template_kwargs=to_container(cfg.data)["chat_template_kwargs"])
+    dtype = resolve_model_dtype(cfg.model.dtype, device, cfg.model.path)
+    cfg.model.dtype = dtype.name  # one concrete dtype for every loader (hf, deepspeed, vllm) and the manifest
     target = load_capture(cfg, tokenizer, device)
     identity = dataset_identity(cfg, config_hash(target.capture.model), chat_template_sha256(tokenizer), target)
     done = claim_for_job(cfg, out_dir, identity, workers)
@@ -489,7 +492,7 @@ def generate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease) -> di
     manifest = build_manifest(cfg, out_dir, target, tokenizer, identity)
     manifest["last_run"] = {"computed_tokens": job.tokens, "seconds": seconds,
                             "tokens_per_second": job.tokens / max(seconds, 1e-9), "device": str(device),
-                            "processes": workers.world_size, "engine": cfg.engine.name}
+                            "processes": workers.world_size, "engine": cfg.engine.name, "dtype": str(dtype)}
     merge_rejected(out_dir)
     write_manifest(out_dir, manifest)
     print_summary(manifest, out_dir, job.tokens, seconds, workers.world_size,

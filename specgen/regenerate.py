@@ -27,7 +27,7 @@ from specgen.data.template import chat_template_sha256
 from specgen.distributed import Workers, init_workers
 from specgen.errors import SpecgenError
 from specgen.data.sources import CappedSource, capped_source, work_units
-from specgen.runtime import load_tokenizer
+from specgen.runtime import load_tokenizer, resolve_model_dtype
 from specgen.outdir import claim_output_dir
 from specgen.progress import Progress, format_table
 from specgen.regen.engine import Generator, Sampling
@@ -199,6 +199,7 @@ def print_summary(manifest: dict, out_dir: Path, new_tokens: int, rows: int, sec
     print(format_table([
         ("output", str(out_dir)),
         ("source", source_rows),
+        ("target dtype", (manifest.get("last_run") or {}).get("dtype", manifest["model"]["dtype"])),
         ("rows", f"{stats['rows']:,} of {stats['source_rows']:,} source rows in {len(manifest['parts'])} parts"),
         ("regenerated turns", f"{stats['regenerated_turns']:,} ({stats['new_tokens']:,} new tokens; "
                               f"{stats['kept_tool_call_turns']:,} tool-call turns kept verbatim)"),
@@ -234,6 +235,8 @@ def run(cfg: DictConfig) -> dict | None:
 def regenerate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease, source: CappedSource) -> dict | None:
     """The job once its main process holds the lease on `out_dir` (`lease.check()` before each commit)."""
     tokenizer = load_tokenizer(cfg.tokenizer.path)
+    dtype = resolve_model_dtype(cfg.model.dtype, workers.device, cfg.model.path)
+    cfg.model.dtype = dtype.name  # one concrete dtype for either engine and the manifest
     model = load_model(cfg, workers.device)
     regenerator = build_regenerator(cfg, tokenizer, model)
     identity = dataset_identity(cfg, config_hash(model), chat_template_sha256(tokenizer),
@@ -271,7 +274,7 @@ def regenerate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease, sou
     wait_for_parts(out_dir, units)
     lease.check()
     manifest = finish(cfg, out_dir, units, model, identity,
-                      last_run={"new_tokens": new_tokens, "seconds": seconds, "engine": cfg.engine.name,
+                      last_run={"new_tokens": new_tokens, "seconds": seconds, "engine": cfg.engine.name, "dtype": str(dtype),
                                 "new_tokens_per_second": new_tokens / max(seconds, 1e-9)})
     print_summary(manifest, out_dir, new_tokens, rows, seconds, source.describe(manifest["stats"]["source_rows"]))
     return manifest

@@ -82,22 +82,44 @@ def load_model(cfg: DictConfig, device: torch.device):
                        attn_implementation=cfg.model.attn_implementation)
 
 
+def context_limits(cfg: DictConfig, model) -> tuple[int, int, str]:
+    """(longest prompt, sequence length, what sets the prompt limit): a prompt plus regenerate.max_new_tokens fits
+    in data.max_length + max_new_tokens, in engine.max_model_len when given, and never beyond the model's positions
+    (config.max_position_embeddings). The same for every engine; the sequence length is vLLM's max_model_len."""
+    new_tokens = int(cfg.regenerate.max_new_tokens)
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    asked = to_container(cfg.engine).get("max_model_len")
+    if asked and positions and asked > positions:
+        raise SpecgenError(f"engine.max_model_len={asked} exceeds the {positions} positions of {cfg.model.path}; "
+                           f"pass engine.max_model_len={positions} or less (or null)")
+    limits = {f"data.max_length={cfg.data.max_length}": int(cfg.data.max_length) + new_tokens}
+    if asked:
+        limits[f"engine.max_model_len={asked} - regenerate.max_new_tokens={new_tokens}"] = int(asked)
+    if positions:
+        limits[f"the model's {positions} positions - regenerate.max_new_tokens={new_tokens}"] = int(positions)
+    reason, length = min(limits.items(), key=lambda item: item[1])
+    if length - new_tokens < 1:
+        raise SpecgenError(f"regenerate.max_new_tokens={new_tokens} leaves no room for a prompt in {length} "
+                           f"positions ({reason.split(' - ')[0]}); lower regenerate.max_new_tokens")
+    return length - new_tokens, length, reason
+
+
 def build_regenerator(cfg: DictConfig, tokenizer, model) -> ConversationRegenerator:
     settings = cfg.regenerate
     sampling = Sampling(temperature=float(settings.temperature), top_p=float(settings.top_p),
                         top_k=int(settings.top_k), max_new_tokens=int(settings.max_new_tokens))
+    max_prompt_tokens, max_model_len, prompt_limit = context_limits(cfg, model)
     if cfg.engine.name == "vllm":
         from specgen.regen.vllm import VllmGenerator
 
-        engine = to_container(cfg.engine)
-        generator = VllmGenerator(cfg.model.path, model, tokenizer, sampling, engine=engine, seed=int(settings.seed),
-                                  max_model_len=engine.get("max_model_len") or int(cfg.data.max_length)
-                                  + int(settings.max_new_tokens))
+        generator = VllmGenerator(cfg.model.path, model, tokenizer, sampling, engine=to_container(cfg.engine),
+                                  seed=int(settings.seed), max_model_len=max_model_len)
     else:
         generator = Generator(model, tokenizer, sampling, batch_size=settings.batch_size,
                               batch_tokens=settings.batch_tokens)
     policy = TurnPolicy(turns=settings.turns, on_truncated=settings.on_truncated, on_empty=settings.on_empty)
-    return ConversationRegenerator(tokenizer, generator, policy, max_prompt_tokens=cfg.data.max_length,
+    return ConversationRegenerator(tokenizer, generator, policy, max_prompt_tokens=max_prompt_tokens,
+                                   prompt_limit=prompt_limit,
                                    chat_template_kwargs=template_kwargs(cfg, tokenizer),
                                    on_bad_row=cfg.data.on_bad_row)
 
@@ -110,6 +132,7 @@ def generation_settings(cfg: DictConfig, regenerator: ConversationRegenerator) -
             "thinking": cfg.regenerate.thinking, "chat_template_kwargs": regenerator.chat_template_kwargs,
             "turns": regenerator.policy.turns, "on_truncated": regenerator.policy.on_truncated,
             "on_empty": regenerator.policy.on_empty, "max_prompt_tokens": regenerator.max_prompt_tokens,
+            "prompt_limit": regenerator.prompt_limit,
             "stop_token_ids": regenerator.generator.stop_token_ids, "split_reasoning": regenerator.split_reasoning,
             "backend": getattr(regenerator.generator, "backend",
                                "transformers generate: left-padded batches, KV cache")}
@@ -207,7 +230,9 @@ def print_summary(manifest: dict, out_dir: Path, new_tokens: int, rows: int, sec
                             f"(on_truncated={generation['on_truncated']})"),
         ("empty turns", f"{stats['empty_turns']:,} (on_empty={generation['on_empty']})"),
         ("dropped rows", table(stats["dropped"])),
-        ("cut rows", f"{stats['cut_rows']:,} ended before a turn whose prompt exceeds data.max_length"),
+        ("cut rows", f"{stats['cut_rows']:,} ended before a turn whose prompt exceeds {generation['max_prompt_tokens']:,} "
+                     f"tokens ({generation.get('prompt_limit', 'data.max_length')}); rows whose first such prompt is "
+                     "too long are rejected (prompt_too_long)"),
         ("rejected rows", table(stats["rejected"])),
         ("throughput", f"{new_tokens / max(seconds, 1e-9):,.0f} new tokens/s, {rows / max(seconds, 1e-9):,.2f} "
                        f"rows/s in this process ({seconds:.1f}s)" if new_tokens else

@@ -218,3 +218,20 @@ def test_regenerate_vllm_greedy_equals_hf_greedy_float32(llama, data, tmp_path):
     got, want = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("vllm", "hf"))
     assert got["stats"] == want["stats"] and got["stats"]["new_tokens"] > 0
     assert got["generation"]["backend"].startswith("vllm")
+
+
+def test_regenerate_vllm_within_the_model_positions(tmp_path):
+    """The bundled 2048-position target with data.max_length=2048 and max_new_tokens=48: the engine gets
+    max_model_len 2048 (not 2096, which vLLM refuses), and a prompt over 2000 tokens is rejected and counted,
+    exactly as engine=hf does it."""
+    from test_regenerate import TINY_TARGET, long_prompt_source
+
+    source = long_prompt_source(tmp_path / "chat.jsonl", (2000, 2048))
+    overrides = [f"model.path={TINY_TARGET}", f"data.path={source}", "runtime.progress=false",
+                 "regenerate.temperature=0", "regenerate.max_new_tokens=48"]
+    run_vllm("regenerate", *overrides, f"output.dir={tmp_path / 'vllm'}")
+    run_hf("regenerate", *overrides, f"output.dir={tmp_path / 'hf'}")
+    got, want = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("vllm", "hf"))
+    assert got["stats"]["rejected"] == want["stats"]["rejected"] == {"prompt_too_long": 1}
+    assert got["generation"]["max_prompt_tokens"] == want["generation"]["max_prompt_tokens"] == 2000
+    assert got["stats"]["rows"] == want["stats"]["rows"] == 2

@@ -467,7 +467,7 @@ def generate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease) -> di
                     "target_token_counts.json is not written; draft.vocab_source=target needs engine=hf",
                     cfg.engine.name)
 
-    source = capped_source(cfg.data.path, cfg.data.max_rows)
+    source = capped_source(cfg.data.path, cfg.data.max_rows, split=cfg.data.split, subset=cfg.data.subset)
     records = source.records
     monitor = JobMonitor(workers, source.expected_rows, enabled=cfg.runtime.progress,
                          heartbeat_s=cfg.pipeline.heartbeat_s)

@@ -148,7 +148,7 @@ def dataset_identity(cfg: DictConfig, model_config_hash: str, template_sha: str,
             "model.attn_implementation": cfg.model.attn_implementation,
             "tokenizer.path": str(Path(cfg.tokenizer.path).resolve()),
             "chat_template_sha256": template_sha,
-            "data": {key: data[key] for key in ("path", "max_length", "max_rows", "on_bad_row")},
+            "data": {key: data[key] for key in ("path", "split", "subset", "max_length", "max_rows", "on_bad_row")},
             "generation": generation, "output.shard_size": cfg.output.shard_size}
 
 
@@ -248,7 +248,7 @@ def run(cfg: DictConfig) -> dict | None:
         raise SpecgenError(f"model.path={cfg.model.path} is not a folder; point it at a local Hugging Face model "
                            "folder (config.json + weights)")
     # A wrong data.path fails here, before the model loads and the output directory is claimed.
-    source = capped_source(cfg.data.path, cfg.data.max_rows)
+    source = capped_source(cfg.data.path, cfg.data.max_rows, split=cfg.data.split, subset=cfg.data.subset)
     workers = init_workers(cfg.runtime.device)
     out_dir = Path(cfg.output.dir)
     # Before anything else touches output.dir: another live job on it is refused here, in one line.

@@ -273,7 +273,8 @@ def online_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> Train
     chat = ChatTemplateTokenizer(tokenizer, max_length=cfg.data.max_length, train_turns=cfg.data.train_turns,
                                  mask_empty_think=cfg.data.mask_empty_think,
                                  chat_template_kwargs=to_container(cfg.data)["chat_template_kwargs"])
-    samples = tokenize_source(cfg.data.path, chat, max_rows=cfg.data.max_rows, on_bad_row=cfg.data.on_bad_row)
+    samples = tokenize_source(cfg.data.path, chat, max_rows=cfg.data.max_rows, on_bad_row=cfg.data.on_bad_row,
+                              split=cfg.data.split, subset=cfg.data.subset)
     dtype = resolve_model_dtype(cfg.model.dtype, device, cfg.model.path)
     model = load_target(cfg.model.path, dtype=dtype.name, device=str(device),
                         attn_implementation=cfg.model.attn_implementation)

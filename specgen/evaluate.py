@@ -27,7 +27,7 @@ from specgen.draft.checkpoint import load_draft, read_raw_config, specgen_info
 from specgen.draft.model import aux_layers_of
 from specgen.draft.speculative import Generation, TargetRunner, greedy_generate, speculative_generate
 from specgen.errors import SpecgenError
-from specgen.runtime import load_tokenizer, resolve_device, set_threads, stop_token_ids
+from specgen.runtime import load_tokenizer, resolve_device, resolve_model_dtype, set_threads, stop_token_ids
 from specgen.progress import format_table
 from specgen.store.commit import write_json_atomic, write_text_atomic
 
@@ -45,7 +45,8 @@ def run(cfg: DictConfig) -> dict:
     if target_path is None:
         raise SpecgenError(f"the draft at {cfg.draft.path} does not record its target: pass model.path=TARGET")
     device = resolve_device(cfg.runtime.device)
-    model = load_target(target_path, dtype=cfg.model.dtype, device=str(device),
+    dtype = resolve_model_dtype(cfg.model.dtype, device, target_path)
+    model = load_target(target_path, dtype=dtype.name, device=str(device),
                         attn_implementation=cfg.model.attn_implementation)
     embedding = model.get_input_embeddings().weight.detach().float()
     draft = load_draft(cfg.draft.path, embedding=embedding, target_config=model.config,
@@ -68,7 +69,8 @@ def run(cfg: DictConfig) -> dict:
     report = summarize(samples, num_draft_tokens=cfg.evaluate.num_draft_tokens)
     report.update({"draft": str(Path(cfg.draft.path).resolve()), "target": str(target_path),
                    "data": str(cfg.data.path), "max_new_tokens": cfg.evaluate.max_new_tokens,
-                   "target_dtype": str(model.dtype).removeprefix("torch."), "device": str(device)})
+                   "target_dtype": str(model.dtype).removeprefix("torch."), "target_dtype_reason": dtype.reason,
+                   "device": str(device)})
     out_dir = Path(cfg.output.dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out_dir / "eval.json", report)
@@ -165,6 +167,7 @@ def _print_report(report: dict, out_dir: Path) -> None:
         ("accepted drafts", " ".join(f"{k}:{n}" for k, n in enumerate(report["accepted_histogram"]))),
         ("lossless", "yes: identical to the target's greedy output" if report["matches_target_greedy"] else
                      f"NO: {len(mismatched)} turns differ ({', '.join(mismatched[:5])})"),
+        ("target dtype", f"{report['target_dtype']} ({report['target_dtype_reason']})"),
         ("prompts", f"{report['num_prompts']} ({report['num_turns']} turns, {report['new_tokens']:,} tokens)"),
         ("tokens/s", f"speculative {speed['speculative']:,.1f}, target greedy {speed['target_greedy']:,.1f}"),
         ("report", str(out_dir / "eval.json")),

@@ -45,7 +45,7 @@ from specgen.filters import SampleFilter
 from specgen.outdir import claim_output_dir, fingerprint
 from specgen.pipeline import BackgroundWriter, copy_to_host, prefetched, to_device
 from specgen.progress import format_table, human_bytes
-from specgen.runtime import load_tokenizer, resolve_device, set_threads
+from specgen.runtime import load_tokenizer, resolve_device, resolve_model_dtype, set_threads
 from specgen.store.manifest import merge_rejected, shard_checksums, summarize_shards, write_manifest
 from specgen.store.prefix_layout import PrefixRefEncoder, bytes_flat
 from specgen.store.commit import write_json_atomic
@@ -303,10 +303,14 @@ def count_trainable_token_ids(out_dir: Path, shards: list[str], vocab_size: int)
     return counts
 
 
-def dataset_identity(cfg: DictConfig, model_config_hash: str, template_sha: str) -> dict:
-    """Everything that changes the bytes of the dataset (and nothing that only changes speed)."""
+def dataset_identity(cfg: DictConfig, model_config_hash: str, template_sha: str, target: Target) -> dict:
+    """Everything that changes the bytes of the dataset (and nothing that only changes speed): besides the inputs,
+    what computes the numbers (engine, attention kernel, the dtype model.dtype resolved to, the capture backend),
+    so a dataset started with one never resumes with another and the manifest's backend holds for every shard."""
     return {"model.path": str(Path(cfg.model.path).resolve()), "model.config_hash": model_config_hash,
-            "model.dtype": cfg.model.dtype, "tokenizer.path": str(Path(cfg.tokenizer.path).resolve()),
+            "model.dtype": target.spec.dtype, "engine.name": cfg.engine.name,
+            "model.attn_implementation": cfg.model.attn_implementation, "capture.backend": target.capture.backend,
+            "tokenizer.path": str(Path(cfg.tokenizer.path).resolve()),
             "chat_template_sha256": template_sha, "data": to_container(cfg.data),
             "capture.aux_layers": to_container(cfg.capture).get("aux_layers"),
             "output.shard_size": cfg.output.shard_size, "output.store_prefix_once": cfg.output.store_prefix_once,
@@ -380,6 +384,7 @@ def print_summary(manifest: dict, out_dir: Path, computed_tokens: int, seconds: 
     print(format_table([
         ("output", str(out_dir)),
         ("source", source_rows),
+        ("target dtype", manifest.get("last_run", {}).get("dtype", manifest["dtype"])),
         ("samples", f"{stats['samples']:,} in {len(manifest['shards'])} shards"),
         ("tokens", f"{stats['tokens']:,} ({stats['trainable_tokens']:,} trainable)"),
         ("rejected rows", rejected_text),
@@ -452,15 +457,17 @@ def generate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease) -> di
     chat = ChatTemplateTokenizer(tokenizer, max_length=cfg.data.max_length, train_turns=cfg.data.train_turns,
                                  mask_empty_think=cfg.data.mask_empty_think,
                                  chat_template_kwargs=to_container(cfg.data)["chat_template_kwargs"])
+    dtype = resolve_model_dtype(cfg.model.dtype, device, cfg.model.path)
+    cfg.model.dtype = dtype.name  # one concrete dtype for every loader (hf, deepspeed, vllm) and the manifest
     target = load_capture(cfg, tokenizer, device)
-    identity = dataset_identity(cfg, config_hash(target.capture.model), chat_template_sha256(tokenizer))
+    identity = dataset_identity(cfg, config_hash(target.capture.model), chat_template_sha256(tokenizer), target)
     done = claim_for_job(cfg, out_dir, identity, workers)
     if cfg.capture.count_target_tokens and not counts_top_tokens(cfg, target):
         log.warning("capture.count_target_tokens: the target's LM head is not whole in this process (engine=%s), so "
                     "target_token_counts.json is not written; draft.vocab_source=target needs engine=hf",
                     cfg.engine.name)
 
-    source = capped_source(cfg.data.path, cfg.data.max_rows)
+    source = capped_source(cfg.data.path, cfg.data.max_rows, split=cfg.data.split, subset=cfg.data.subset)
     records = source.records
     monitor = JobMonitor(workers, source.expected_rows, enabled=cfg.runtime.progress,
                          heartbeat_s=cfg.pipeline.heartbeat_s)
@@ -485,7 +492,7 @@ def generate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease) -> di
     manifest = build_manifest(cfg, out_dir, target, tokenizer, identity)
     manifest["last_run"] = {"computed_tokens": job.tokens, "seconds": seconds,
                             "tokens_per_second": job.tokens / max(seconds, 1e-9), "device": str(device),
-                            "processes": workers.world_size, "engine": cfg.engine.name}
+                            "processes": workers.world_size, "engine": cfg.engine.name, "dtype": str(dtype)}
     merge_rejected(out_dir)
     write_manifest(out_dir, manifest)
     print_summary(manifest, out_dir, job.tokens, seconds, workers.world_size,

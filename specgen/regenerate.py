@@ -27,7 +27,7 @@ from specgen.data.template import chat_template_sha256
 from specgen.distributed import Workers, init_workers
 from specgen.errors import SpecgenError
 from specgen.data.sources import CappedSource, capped_source, work_units
-from specgen.runtime import load_tokenizer
+from specgen.runtime import load_tokenizer, resolve_model_dtype
 from specgen.outdir import claim_output_dir
 from specgen.progress import Progress, format_table
 from specgen.regen.engine import Generator, Sampling
@@ -82,22 +82,44 @@ def load_model(cfg: DictConfig, device: torch.device):
                        attn_implementation=cfg.model.attn_implementation)
 
 
+def context_limits(cfg: DictConfig, model) -> tuple[int, int, str]:
+    """(longest prompt, sequence length, what sets the prompt limit): a prompt plus regenerate.max_new_tokens fits
+    in data.max_length + max_new_tokens, in engine.max_model_len when given, and never beyond the model's positions
+    (config.max_position_embeddings). The same for every engine; the sequence length is vLLM's max_model_len."""
+    new_tokens = int(cfg.regenerate.max_new_tokens)
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    asked = to_container(cfg.engine).get("max_model_len")
+    if asked and positions and asked > positions:
+        raise SpecgenError(f"engine.max_model_len={asked} exceeds the {positions} positions of {cfg.model.path}; "
+                           f"pass engine.max_model_len={positions} or less (or null)")
+    limits = {f"data.max_length={cfg.data.max_length}": int(cfg.data.max_length) + new_tokens}
+    if asked:
+        limits[f"engine.max_model_len={asked} - regenerate.max_new_tokens={new_tokens}"] = int(asked)
+    if positions:
+        limits[f"the model's {positions} positions - regenerate.max_new_tokens={new_tokens}"] = int(positions)
+    reason, length = min(limits.items(), key=lambda item: item[1])
+    if length - new_tokens < 1:
+        raise SpecgenError(f"regenerate.max_new_tokens={new_tokens} leaves no room for a prompt in {length} "
+                           f"positions ({reason.split(' - ')[0]}); lower regenerate.max_new_tokens")
+    return length - new_tokens, length, reason
+
+
 def build_regenerator(cfg: DictConfig, tokenizer, model) -> ConversationRegenerator:
     settings = cfg.regenerate
     sampling = Sampling(temperature=float(settings.temperature), top_p=float(settings.top_p),
                         top_k=int(settings.top_k), max_new_tokens=int(settings.max_new_tokens))
+    max_prompt_tokens, max_model_len, prompt_limit = context_limits(cfg, model)
     if cfg.engine.name == "vllm":
         from specgen.regen.vllm import VllmGenerator
 
-        engine = to_container(cfg.engine)
-        generator = VllmGenerator(cfg.model.path, model, tokenizer, sampling, engine=engine, seed=int(settings.seed),
-                                  max_model_len=engine.get("max_model_len") or int(cfg.data.max_length)
-                                  + int(settings.max_new_tokens))
+        generator = VllmGenerator(cfg.model.path, model, tokenizer, sampling, engine=to_container(cfg.engine),
+                                  seed=int(settings.seed), max_model_len=max_model_len)
     else:
         generator = Generator(model, tokenizer, sampling, batch_size=settings.batch_size,
                               batch_tokens=settings.batch_tokens)
     policy = TurnPolicy(turns=settings.turns, on_truncated=settings.on_truncated, on_empty=settings.on_empty)
-    return ConversationRegenerator(tokenizer, generator, policy, max_prompt_tokens=cfg.data.max_length,
+    return ConversationRegenerator(tokenizer, generator, policy, max_prompt_tokens=max_prompt_tokens,
+                                   prompt_limit=prompt_limit,
                                    chat_template_kwargs=template_kwargs(cfg, tokenizer),
                                    on_bad_row=cfg.data.on_bad_row)
 
@@ -110,18 +132,23 @@ def generation_settings(cfg: DictConfig, regenerator: ConversationRegenerator) -
             "thinking": cfg.regenerate.thinking, "chat_template_kwargs": regenerator.chat_template_kwargs,
             "turns": regenerator.policy.turns, "on_truncated": regenerator.policy.on_truncated,
             "on_empty": regenerator.policy.on_empty, "max_prompt_tokens": regenerator.max_prompt_tokens,
+            "prompt_limit": regenerator.prompt_limit,
             "stop_token_ids": regenerator.generator.stop_token_ids, "split_reasoning": regenerator.split_reasoning,
             "backend": getattr(regenerator.generator, "backend",
                                "transformers generate: left-padded batches, KV cache")}
 
 
-def dataset_identity(cfg: DictConfig, model_config_hash: str, template_sha: str, generation: dict) -> dict:
-    """Everything that changes the dataset's content (and nothing that only changes speed, such as batch size)."""
+def dataset_identity(cfg: DictConfig, model_config_hash: str, template_sha: str, generation: dict,
+                     dtype: str) -> dict:
+    """Everything that changes the dataset's content (and nothing that only changes speed, such as batch size):
+    the engine, attention kernel and the dtype model.dtype resolved to among them."""
     data = to_container(cfg.data)
     return {"model.path": str(Path(cfg.model.path).resolve()), "model.config_hash": model_config_hash,
-            "model.dtype": cfg.model.dtype, "tokenizer.path": str(Path(cfg.tokenizer.path).resolve()),
+            "model.dtype": dtype, "engine.name": cfg.engine.name,
+            "model.attn_implementation": cfg.model.attn_implementation,
+            "tokenizer.path": str(Path(cfg.tokenizer.path).resolve()),
             "chat_template_sha256": template_sha,
-            "data": {key: data[key] for key in ("path", "max_length", "max_rows", "on_bad_row")},
+            "data": {key: data[key] for key in ("path", "split", "subset", "max_length", "max_rows", "on_bad_row")},
             "generation": generation, "output.shard_size": cfg.output.shard_size}
 
 
@@ -195,6 +222,7 @@ def print_summary(manifest: dict, out_dir: Path, new_tokens: int, rows: int, sec
     print(format_table([
         ("output", str(out_dir)),
         ("source", source_rows),
+        ("target dtype", (manifest.get("last_run") or {}).get("dtype", manifest["model"]["dtype"])),
         ("rows", f"{stats['rows']:,} of {stats['source_rows']:,} source rows in {len(manifest['parts'])} parts"),
         ("regenerated turns", f"{stats['regenerated_turns']:,} ({stats['new_tokens']:,} new tokens; "
                               f"{stats['kept_tool_call_turns']:,} tool-call turns kept verbatim)"),
@@ -202,7 +230,9 @@ def print_summary(manifest: dict, out_dir: Path, new_tokens: int, rows: int, sec
                             f"(on_truncated={generation['on_truncated']})"),
         ("empty turns", f"{stats['empty_turns']:,} (on_empty={generation['on_empty']})"),
         ("dropped rows", table(stats["dropped"])),
-        ("cut rows", f"{stats['cut_rows']:,} ended before a turn whose prompt exceeds data.max_length"),
+        ("cut rows", f"{stats['cut_rows']:,} ended before a turn whose prompt exceeds {generation['max_prompt_tokens']:,} "
+                     f"tokens ({generation.get('prompt_limit', 'data.max_length')}); rows whose first such prompt is "
+                     "too long are rejected (prompt_too_long)"),
         ("rejected rows", table(stats["rejected"])),
         ("throughput", f"{new_tokens / max(seconds, 1e-9):,.0f} new tokens/s, {rows / max(seconds, 1e-9):,.2f} "
                        f"rows/s in this process ({seconds:.1f}s)" if new_tokens else
@@ -218,7 +248,7 @@ def run(cfg: DictConfig) -> dict | None:
         raise SpecgenError(f"model.path={cfg.model.path} is not a folder; point it at a local Hugging Face model "
                            "folder (config.json + weights)")
     # A wrong data.path fails here, before the model loads and the output directory is claimed.
-    source = capped_source(cfg.data.path, cfg.data.max_rows)
+    source = capped_source(cfg.data.path, cfg.data.max_rows, split=cfg.data.split, subset=cfg.data.subset)
     workers = init_workers(cfg.runtime.device)
     out_dir = Path(cfg.output.dir)
     # Before anything else touches output.dir: another live job on it is refused here, in one line.
@@ -230,10 +260,12 @@ def run(cfg: DictConfig) -> dict | None:
 def regenerate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease, source: CappedSource) -> dict | None:
     """The job once its main process holds the lease on `out_dir` (`lease.check()` before each commit)."""
     tokenizer = load_tokenizer(cfg.tokenizer.path)
+    dtype = resolve_model_dtype(cfg.model.dtype, workers.device, cfg.model.path)
+    cfg.model.dtype = dtype.name  # one concrete dtype for either engine and the manifest
     model = load_model(cfg, workers.device)
     regenerator = build_regenerator(cfg, tokenizer, model)
     identity = dataset_identity(cfg, config_hash(model), chat_template_sha256(tokenizer),
-                                generation_settings(cfg, regenerator))
+                                generation_settings(cfg, regenerator), str(model.dtype).removeprefix("torch."))
 
     if workers.is_main:
         if claim_output_dir(out_dir, identity, overwrite=cfg.output.overwrite):
@@ -267,7 +299,7 @@ def regenerate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease, sou
     wait_for_parts(out_dir, units)
     lease.check()
     manifest = finish(cfg, out_dir, units, model, identity,
-                      last_run={"new_tokens": new_tokens, "seconds": seconds, "engine": cfg.engine.name,
+                      last_run={"new_tokens": new_tokens, "seconds": seconds, "engine": cfg.engine.name, "dtype": str(dtype),
                                 "new_tokens_per_second": new_tokens / max(seconds, 1e-9)})
     print_summary(manifest, out_dir, new_tokens, rows, seconds, source.describe(manifest["stats"]["source_rows"]))
     return manifest

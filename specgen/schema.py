@@ -45,6 +45,8 @@ KEYS: dict[str, Key] = {
     "model.attn_implementation": _k("str", choices=("sdpa", "eager", "flash_attention_2")),
     "tokenizer.path": _k("str", null=True),
     "data.path": _k("str", null=True),
+    "data.split": _k("str"),
+    "data.subset": _k("str", null=True),
     "data.shards": _k("str", null=True),
     "data.max_length": _k("int", min=POSITIVE),
     "data.max_rows": _k("int", null=True, min=POSITIVE),

@@ -58,7 +58,7 @@ from specgen.draft.vocab import (
 )
 from specgen.errors import SpecgenError
 from specgen.progress import format_table
-from specgen.runtime import load_tokenizer, resolve_device, set_threads, stop_token_ids
+from specgen.runtime import load_tokenizer, resolve_device, resolve_model_dtype, set_threads, stop_token_ids
 from specgen.store.lease import hold_job_lease
 from specgen.store.reader import open_shards
 
@@ -82,6 +82,7 @@ class TrainingData:
     description: str
     target_top_counts: dict[int, int] | None = None  # the target's top token at trainable positions (generate)
     target_model: transformers.PreTrainedModel | None = None  # the whole target, when loaded (online)
+    target_dtype: str | None = None  # the dtype the whole target runs in and why, when loaded (online, probe)
 
 
 MODES = ("offline", "online")
@@ -272,8 +273,10 @@ def online_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> Train
     chat = ChatTemplateTokenizer(tokenizer, max_length=cfg.data.max_length, train_turns=cfg.data.train_turns,
                                  mask_empty_think=cfg.data.mask_empty_think,
                                  chat_template_kwargs=to_container(cfg.data)["chat_template_kwargs"])
-    samples = tokenize_source(cfg.data.path, chat, max_rows=cfg.data.max_rows, on_bad_row=cfg.data.on_bad_row)
-    model = load_target(cfg.model.path, dtype=cfg.model.dtype, device=str(device),
+    samples = tokenize_source(cfg.data.path, chat, max_rows=cfg.data.max_rows, on_bad_row=cfg.data.on_bad_row,
+                              split=cfg.data.split, subset=cfg.data.subset)
+    dtype = resolve_model_dtype(cfg.model.dtype, device, cfg.model.path)
+    model = load_target(cfg.model.path, dtype=dtype.name, device=str(device),
                         attn_implementation=cfg.model.attn_implementation)
     num_layers = model.config.get_text_config().num_hidden_layers
     requested = cfg.capture.aux_layers
@@ -288,7 +291,7 @@ def online_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> Train
                         embedding=model.get_input_embeddings().weight.detach(),
                         lm_head=capture.lm_head.weight.detach(), target_config=model.config,
                         description=f"online {Path(cfg.data.path).resolve()} ({len(samples)} samples)",
-                        target_model=model)
+                        target_model=model, target_dtype=str(dtype))
 
 
 def acceptance_probe(cfg: DictConfig, data: TrainingData, device: torch.device) -> AcceptanceProbe:
@@ -298,7 +301,9 @@ def acceptance_probe(cfg: DictConfig, data: TrainingData, device: torch.device) 
     tokenizer = load_tokenizer(cfg.tokenizer.path or data.target_path)
     model = data.target_model
     if model is None:
-        model = load_target(data.target_path, dtype=cfg.model.dtype, device=str(device),
+        dtype = resolve_model_dtype(cfg.model.dtype, device, data.target_path)
+        data.target_dtype = str(dtype)
+        model = load_target(data.target_path, dtype=dtype.name, device=str(device),
                             attn_implementation=cfg.model.attn_implementation)
     return AcceptanceProbe(TargetRunner(model, data.aux_layers), tokenizer, prompts,
                            num_draft_tokens=cfg.evaluate.num_draft_tokens, max_new_tokens=cfg.evaluate.max_new_tokens,
@@ -417,6 +422,7 @@ def _print_summary(out_dir: Path, data: TrainingData, draft: Eagle3Draft, state:
     print(format_table([
         ("checkpoint", f"{out_dir} (config.json + model.safetensors, servable as LlamaForCausalLMEagle3)"),
         ("data", data.description),
+        *([("target dtype", data.target_dtype)] if data.target_dtype else []),
         ("draft", f"{sum(p.numel() for p in draft.trainable_parameters()) / 1e6:.2f}M trainable parameters, "
                   f"vocabulary {draft.config.draft_vocab_size} of {draft.config.vocab_size}"),
         ("vocabulary", f"from {vocab_source}: {vocab_coverage(draft, data)}"),

@@ -237,10 +237,13 @@ def test_capture_rejects_inconsistent_batches(saved_model, input_ids, lengths):
         capture(input_ids, lengths)
 
 
-def test_load_target_defaults_to_the_checkpoint_dtype_and_inference_mode(tmp_path):
+def test_load_target_defaults_to_the_dtype_rule_and_inference_mode(tmp_path):
+    from specgen.runtime import resolve_model_dtype
+
     folder = build_tiny_model("llama", tmp_path / "bf16", dtype=torch.bfloat16, num_layers=2)
-    model = load_target(folder)
-    assert model.dtype == torch.bfloat16
+    model = load_target(folder)  # auto: bf16 where this CPU multiplies it natively, else float32 (tests/test_dtype.py)
+    assert model.dtype == resolve_model_dtype("auto", "cpu", folder).torch_dtype
+    assert load_target(folder, dtype="bfloat16").dtype == torch.bfloat16
     assert not model.training
     assert not any(parameter.requires_grad for parameter in model.parameters())
     assert load_target(folder, dtype="float32").dtype == torch.float32

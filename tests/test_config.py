@@ -19,8 +19,10 @@ STAGES = ("generate", "train", "evaluate", "verify", "regenerate", "export")
 TINY = REPO / "specgen" / "assets" / "tiny-target"
 # What a user must add to each recipe for each stage it serves (the recipe's own `???` keys, and a draft).
 REQUIRED = {"demo": {"generate": [], "train": ["data.shards=/tmp/s"], "evaluate": ["draft.path=/tmp/d"]},
-            "llama3.1-8b": {"generate": ["model.path=/m", "data.path=/d.jsonl"]},
-            "qwen3-8b": {"generate": ["model.path=/m", "data.path=/d.jsonl"]}}
+            "llama3.1-8b": {"generate": ["model.path=/m", "data.path=/d.jsonl"], "train": ["data.shards=/tmp/s"],
+                            "evaluate": ["draft.path=/tmp/d"]},
+            "qwen3-8b": {"generate": ["model.path=/m", "data.path=/d.jsonl"], "train": ["data.shards=/tmp/s"],
+                         "evaluate": ["draft.path=/tmp/d"]}}
 
 
 def test_every_recipe_is_tested():

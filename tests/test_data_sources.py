@@ -1,6 +1,7 @@
 """Reading rows from JSON arrays, JSON lines, Parquet and datasets folders, lazily and row by row."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -168,3 +169,81 @@ def test_folder_with_a_parts_manifest_reads_only_the_listed_parts(tmp_path):
     (folder / "manifest.json").write_text(json.dumps({"parts": ["part-00000.jsonl", "part-00001.jsonl"]}))
     assert [r.record["id"] for r in iter_records(folder)] == ["a", "b"]
     assert count_records(folder) == 2
+
+
+HUB_ROWS = {("default", "train"): [{"id": f"t{i}", "conversations": [{"from": "human", "value": f"Say {i}."},
+                                                                     {"from": "gpt", "value": f"{i}."}]}
+                                   for i in range(5)],
+            ("default", "test"): [{"id": "x0", "conversations": [{"from": "human", "value": "Hi"},
+                                                                 {"from": "gpt", "value": "Hello"}]}],
+            ("short", "train"): [{"id": "s0", "instruction": "Add 2 and 3.", "input": "", "output": "5"}]}
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """A Hugging Face datasets cache in tmp holding `myorg/chat` (subsets default and short, splits train and test),
+    laid out as `load_dataset` leaves it after a download, and the hub offline: nothing is downloaded."""
+    import shutil
+
+    import datasets
+    import huggingface_hub
+
+    cache = tmp_path / "hf-datasets"
+    for subset in ("default", "short"):
+        files = {}
+        for (name, split), rows in HUB_ROWS.items():
+            if name == subset:
+                files[split] = tmp_path / f"{subset}-{split}.jsonl"
+                files[split].write_text("".join(json.dumps(row) + "\n" for row in rows))
+        built = datasets.load_dataset("json", data_files={k: str(v) for k, v in files.items()},
+                                      cache_dir=str(tmp_path / "build"))
+        folder = Path(next(iter(built.values())).cache_files[0]["filename"]).parent
+        target = cache / "myorg___chat" / subset / "0.0.0" / folder.name
+        shutil.copytree(folder, target)
+        for arrow in target.glob("json-*.arrow"):  # named after the dataset, as the hub builder names them
+            arrow.rename(target / arrow.name.replace("json-", "chat-", 1))
+        info = json.loads((target / "dataset_info.json").read_text())
+        (target / "dataset_info.json").write_text(json.dumps({**info, "dataset_name": "chat", "config_name": subset}))
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(key, "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    return cache
+
+
+def test_a_hub_dataset_by_name_reads_from_the_local_cache(hub_cache):
+    rows = [(i, row, None) for i, row in enumerate(HUB_ROWS[("default", "train")])]
+    assert records("myorg/chat", subset="default") == rows
+    assert count_records("myorg/chat", subset="default") == 5
+    assert records("myorg/chat", subset="default", split="test") == [(0, HUB_ROWS[("default", "test")][0], None)]
+    assert records("myorg/chat", subset="short") == [(0, HUB_ROWS[("short", "train")][0], None)]
+    # offline, the cache cannot say which of two subsets is the default: one line says so
+    with pytest.raises(SpecgenError, match=r"^data.path myorg/chat is not a local path, nor a hub dataset .*"
+                                           r"multiple 'myorg/chat' configurations in the cache"):
+        iter_records("myorg/chat")
+
+
+def test_a_name_neither_local_nor_cached_is_one_line(hub_cache, tmp_path, monkeypatch):
+    with pytest.raises(SpecgenError, match=r"^data.path myorg/absent is not a local path, nor a hub dataset found "
+                                           r"in the local datasets cache") as error:
+        iter_records("myorg/absent")
+    assert "\n" not in str(error.value)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SpecgenError, match="does not exist"):  # a local file path is not taken for a name
+        iter_records("some/rows.jsonl")
+    (tmp_path / "myorg").mkdir()
+    (tmp_path / "myorg" / "chat").mkdir()  # a local folder of that name wins over the hub name
+    with pytest.raises(SpecgenError, match="is a folder with neither"):
+        iter_records("myorg/chat")
+
+
+def test_generate_reads_a_hub_dataset_by_name(hub_cache, tmp_path):
+    from specgen.assets import asset_path
+    from specgen.config import compose
+    from specgen.generate import run
+
+    manifest = run(compose("generate", [f"model.path={asset_path('tiny-target')}", "data.path=myorg/chat",
+                                        "data.split=train", "data.subset=default", f"output.dir={tmp_path / 'out'}",
+                                        "runtime.progress=false"]))
+    assert manifest["stats"]["samples"] == 5 and manifest["config"]["data"]["path"] == "myorg/chat"

@@ -115,7 +115,8 @@ def test_invalid_spec_is_refused():
 
 def test_fp8_dataset_from_the_bundled_target(tmp_path):
     """Real-model hidden states (the bundled trained bf16 target): error bound, bytes, manifest, verify."""
-    common = ["runtime.progress=false", "data.max_rows=8", "data.max_length=256", "output.shard_size=4"]
+    common = ["runtime.progress=false", "data.max_rows=8", "data.max_length=256", "output.shard_size=4",
+              "model.dtype=bfloat16"]  # bf16 storage whatever the CPU (auto is float32 without native bf16)
     plain = run(compose("generate", [f"output.dir={tmp_path / 'plain'}", *common]))
     packed = run(compose("generate", [f"output.dir={tmp_path / 'fp8'}", "output.codec=fp8", *common]))
 

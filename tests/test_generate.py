@@ -1,6 +1,7 @@
 """End-to-end generate stage: reference values, resume, bad input, config guard, CLI errors, readers."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -205,6 +206,22 @@ def test_changed_config_is_an_error_unless_overwrite(small_target, tmp_path):
     assert manifest["num_aux"] == 2 and open_shards(tmp_path / "out")[0]["aux_hidden_states"].shape[1] == 128
     # performance knobs are not part of the dataset's identity: resuming with another batch size is fine
     generate(small_target, tmp_path / "out", "capture.aux_layers=[1,2]", "capture.batch_tokens=64")
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.attn_implementation=eager", "model.attn_implementation"),
+    ("model.dtype=bfloat16", "model.dtype"),
+])
+def test_resume_refuses_what_changes_the_numbers(small_target, tmp_path, override, key):
+    """The attention kernel and the dtype the target runs in change the stored states: a dataset started with one
+    does not resume with another (engine=hf against engine=vllm: tests/test_vllm.py); the same dtype asked for by
+    another name resumes."""
+    generate(small_target, tmp_path / "out", "model.dtype=auto", "capture.prefix_reuse=false")
+    with pytest.raises(SpecgenError, match=rf"^output.dir=\S+ holds a dataset made with a different configuration "
+                                           rf"\(changed: {re.escape(key)}\)"):
+        generate(small_target, tmp_path / "out", "capture.prefix_reuse=false", override)
+    # the small target is a float32 checkpoint: auto and float32 are the same numbers
+    generate(small_target, tmp_path / "out", "model.dtype=float32", "capture.prefix_reuse=false")
 
 
 @pytest.mark.parametrize("override, expected", [

@@ -97,7 +97,8 @@ def test_token_logprobs_equal_hf_log_softmax_of_the_next_token(small_target, hf_
 def test_chunked_prefill_equals_a_single_pass_in_bf16(tmp_path, arch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the generic backend warns for GPT-2 by design
-        model = load_target(build_tiny_model(arch, tmp_path / arch, vocab_size=512, dtype=torch.bfloat16))
+        model = load_target(build_tiny_model(arch, tmp_path / arch, vocab_size=512, dtype=torch.bfloat16),
+                            dtype="bfloat16")
         capture = make_capture(model, [0, 3, 6])
     input_ids = torch.randint(0, 512, (3, 45), generator=torch.Generator().manual_seed(0))
     lengths = torch.tensor([45, 30, 7])

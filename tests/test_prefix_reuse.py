@@ -250,8 +250,9 @@ def test_rows_with_reuse_equal_rows_without_per_architecture(tmp_path, arch):
     model = build_tiny_model(arch, tmp_path / "model", vocab_size=2048, dtype=torch.bfloat16,
                              tokenizer_dir=ASSETS_DIR / "tokenizer")
     data = write_jsonl(tmp_path / "chat.jsonl", conversations([1, 2, 1, 3, 1, 1, 2, 1, 1, 2], reasoning=False))
-    generate(model, tmp_path / "full", data, "capture.prefix_reuse=false")
-    manifest = generate(model, tmp_path / "reuse", data)
+    bf16 = "model.dtype=bfloat16"  # bf16 whatever the CPU (auto is float32 without native bf16 matmul)
+    generate(model, tmp_path / "full", data, "capture.prefix_reuse=false", bf16)
+    manifest = generate(model, tmp_path / "reuse", data, bf16)
     assert_same_rows(rows_by_id(tmp_path / "reuse"), rows_by_id(tmp_path / "full"))
     sidecars = [json.loads(path.read_text())["stats"] for path in sorted((tmp_path / "reuse").glob("shard-*.json"))]
     assert len(sidecars) == 3 and all(s["tokens_computed"] < s["tokens_emitted"] for s in sidecars)

@@ -423,3 +423,60 @@ def test_thinking_switch(qwen3_tokenizer):
                                                "+data.chat_template_kwargs.enable_thinking=false"]), switchable)
     with pytest.raises(SpecgenError, match="no enable_thinking switch"):  # this Qwen3 template always thinks
         template_kwargs(compose("regenerate", ["regenerate.thinking=false"]), qwen3_tokenizer)
+
+
+TINY_TARGET = ASSETS_DIR / "tiny-target"  # 2048 positions
+
+
+def long_prompt_source(path: Path, tokens: tuple[int, int]) -> Path:
+    """Two short conversations and one ("long") whose first prompt has between tokens[0] and tokens[1] tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TARGET)
+    words = 1
+    while True:
+        messages = [{"role": "user", "content": "word " * words}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        length = len(tokenizer(text, add_special_tokens=False).input_ids)
+        if length > tokens[0]:
+            break
+        words += max(1, (tokens[0] - length) // 2)
+    assert length <= tokens[1], length
+    rows = [CONVERSATIONS[2], {"id": "long", "messages": [*messages, {"role": "assistant", "content": "ok"}]},
+            CONVERSATIONS[4]]
+    return write_source(path, rows)
+
+
+def test_prompts_and_new_tokens_stay_within_the_model_positions(tmp_path, capsys):
+    """data.max_length=4096 on a 2048-position model with max_new_tokens=48: prompts up to 2000 tokens are
+    regenerated; a longer one (which fits data.max_length) is rejected and counted, as engine=vllm does
+    (tests/test_vllm.py); the summary says the limit and why."""
+    source = long_prompt_source(tmp_path / "chat.jsonl", (2000, 2048))
+    manifest = regenerate(TINY_TARGET, source, tmp_path / "out", "data.max_length=4096",
+                          "regenerate.max_new_tokens=48")
+    limit = "the model's 2048 positions - regenerate.max_new_tokens=48"
+    assert manifest["generation"]["max_prompt_tokens"] == 2000 and manifest["generation"]["prompt_limit"] == limit
+    assert [row["id"] for row in output_rows(tmp_path / "out")] == ["sum", "story"]
+    rejected = rejected_rows(tmp_path / "out")
+    assert [(r["sample_id"], r["reason"]) for r in rejected] == [("long", "prompt_too_long")]
+    assert f"than the 2000 allowed ({limit})" in rejected[0]["message"]
+    assert manifest["stats"]["rejected"] == {"prompt_too_long": 1}
+    out = capsys.readouterr().out
+    assert "exceeds 2,000 tokens (the model's 2048 positions" in out and "prompt_too_long: 1" in out
+
+
+def test_the_engine_context_never_exceeds_the_model_positions():
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from specgen.regenerate import context_limits
+
+    model = SimpleNamespace(config=AutoConfig.from_pretrained(TINY_TARGET))
+    common = [f"model.path={TINY_TARGET}", "engine=vllm", "regenerate.max_new_tokens=48"]
+    assert context_limits(compose("regenerate", common), model)[:2] == (2000, 2048)  # not 2048 + 48
+    assert context_limits(compose("regenerate", [*common, "data.max_length=512"]), model) == (
+        512, 560, "data.max_length=512")
+    assert context_limits(compose("regenerate", [*common, "engine.max_model_len=1024"]), model)[:2] == (976, 1024)
+    with pytest.raises(SpecgenError, match="^engine.max_model_len=4096 exceeds the 2048 positions"):
+        context_limits(compose("regenerate", [*common, "engine.max_model_len=4096"]), model)
+    with pytest.raises(SpecgenError, match="^regenerate.max_new_tokens=2048 leaves no room for a prompt"):
+        context_limits(compose("regenerate", [*common, "regenerate.max_new_tokens=2048"]), model)

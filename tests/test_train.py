@@ -262,6 +262,7 @@ def test_the_acceptance_probe_decodes_like_evaluate_and_leaves_training_unchange
     report = evaluate(compose("evaluate", ["recipe=demo", f"draft.path={probed}", "evaluate.turns=first",
                                            "evaluate.max_prompts=4", "evaluate.max_new_tokens=32",
                                            "evaluate.num_draft_tokens=3", f"output.dir={tmp_path / 'eval'}",
+                                           "model.dtype=float32",
                                            "runtime.progress=false"]))
     assert lines[-1]["accept_rounds"] == report["verification_rounds"]
     assert lines[-1]["accept_len"] == pytest.approx(report["acceptance_length"], abs=1e-12)

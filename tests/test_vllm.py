@@ -176,6 +176,20 @@ def test_qwen3_bfloat16_rows_and_logprobs_equal_hf(qwen3, data, tmp_path):
         assert abs(float(row["mean_logprob"]) - float(ref["mean_logprob"])) < 2e-2
 
 
+def test_a_dataset_started_with_hf_does_not_resume_with_vllm(llama, data, tmp_path):
+    """Shards of two engines never mix: the resume refuses in one line naming the key."""
+    out = tmp_path / "out"
+    run_hf("generate", f"model.path={llama}", f"data.path={data}", f"output.dir={out}", "data.max_rows=3", *COMMON)
+    done = subprocess.run(vllm_cmd("generate", f"model.path={llama}", f"data.path={data}", f"output.dir={out}",
+                                   "data.max_rows=3", *COMMON, *IN_PROCESS), cwd=REPO, env=vllm_env(),
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"error: output.dir={out} holds a dataset made with a different configuration "
+                            "(changed: capture.backend, engine.name)"), error
+    assert json.loads((out / "manifest.json").read_text())["capture"]["backend"] == "llama"
+
+
 @pytest.mark.parametrize("override, message", [
     ("capture.logits=topk", "capture.logits=topk is not available with engine=vllm"),
     ("capture.logprob_temperature=0.5", "capture.logprob_temperature=0.5"),
@@ -204,3 +218,20 @@ def test_regenerate_vllm_greedy_equals_hf_greedy_float32(llama, data, tmp_path):
     got, want = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("vllm", "hf"))
     assert got["stats"] == want["stats"] and got["stats"]["new_tokens"] > 0
     assert got["generation"]["backend"].startswith("vllm")
+
+
+def test_regenerate_vllm_within_the_model_positions(tmp_path):
+    """The bundled 2048-position target with data.max_length=2048 and max_new_tokens=48: the engine gets
+    max_model_len 2048 (not 2096, which vLLM refuses), and a prompt over 2000 tokens is rejected and counted,
+    exactly as engine=hf does it."""
+    from test_regenerate import TINY_TARGET, long_prompt_source
+
+    source = long_prompt_source(tmp_path / "chat.jsonl", (2000, 2048))
+    overrides = [f"model.path={TINY_TARGET}", f"data.path={source}", "runtime.progress=false",
+                 "regenerate.temperature=0", "regenerate.max_new_tokens=48"]
+    run_vllm("regenerate", *overrides, f"output.dir={tmp_path / 'vllm'}")
+    run_hf("regenerate", *overrides, f"output.dir={tmp_path / 'hf'}")
+    got, want = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("vllm", "hf"))
+    assert got["stats"]["rejected"] == want["stats"]["rejected"] == {"prompt_too_long": 1}
+    assert got["generation"]["max_prompt_tokens"] == want["generation"]["max_prompt_tokens"] == 2000
+    assert got["stats"]["rows"] == want["stats"]["rows"] == 2

@@ -37,7 +37,7 @@ def trained(tmp_path_factory) -> dict:
                             "train.epochs=4", "train.num_workers=0", "train.tensorboard=false", *QUIET]))
     report = evaluate(compose("evaluate", ["recipe=demo", f"draft.path={root / 'draft'}", f"evaluate.num_draft_tokens={K}",
                                            f"evaluate.max_prompts={PROMPTS}", f"evaluate.max_new_tokens={MAX_NEW_TOKENS}",
-                                           f"output.dir={root / 'eval'}", *QUIET]))
+                                           f"output.dir={root / 'eval'}", "model.dtype=float32", *QUIET]))
     samples = [json.loads(line) for line in (root / "eval" / "samples.jsonl").read_text().splitlines()]
     return {"root": root, "draft": root / "draft", "report": report, "samples": samples, "served": {}}
 
@@ -95,7 +95,7 @@ def test_vllm_reads_the_ids_as_hidden_states_indices(trained):
         report = evaluate(compose("evaluate", [
             "recipe=demo", f"draft.path={folder}", "draft.foreign_aux_ids=hidden_states", f"model.path={TARGET}",
             f"evaluate.num_draft_tokens={K}", f"evaluate.max_prompts={PROMPTS}", f"evaluate.max_new_tokens={MAX_NEW_TOKENS}",
-            f"output.dir={trained['root'] / f'eval{offset:+d}'}", *QUIET]))
+            f"output.dir={trained['root'] / f'eval{offset:+d}'}", "model.dtype=float32", *QUIET]))
         assert moved["output_token_ids"] == as_written["output_token_ids"]  # still lossless
         assert moved["acceptance_length"] == pytest.approx(report["acceptance_length"], rel=0.02), offset
         assert (moved["num_drafts"], moved["num_accepted_tokens"]) != \

@@ -24,6 +24,7 @@ import transformers
 from specgen.capture.kv import GroupedPast, LayerKV, PastKV
 from specgen.capture.layers import default_aux_layers, validate_aux_layers
 from specgen.errors import SpecgenError
+from specgen.runtime.dtype import resolve_model_dtype
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -40,8 +41,8 @@ def load_target(path: str | Path, *, dtype: str = "auto", device: str = "cpu",
                 attn_implementation: str | None = None) -> transformers.PreTrainedModel:
     """Load a local Hugging Face causal LM folder for inference (eval mode, no gradients).
 
-    dtype: "auto" keeps the checkpoint's own dtype (`dtype`/`torch_dtype` in config.json),
-    otherwise one of bfloat16 | float16 | float32. attn_implementation is passed to transformers
+    dtype: "auto" follows `specgen.runtime.dtype`'s rule (the checkpoint's dtype, or float32 on a CPU without
+    native matmuls in it), otherwise one of bfloat16 | float16 | float32. attn_implementation is passed to transformers
     as is (eager, sdpa, flash_attention_2, ...); None lets transformers choose.
     """
     folder = Path(path)
@@ -53,13 +54,22 @@ def load_target(path: str | Path, *, dtype: str = "auto", device: str = "cpu",
                            f"folder saved with save_pretrained")
     if dtype != "auto" and dtype not in DTYPES:
         raise SpecgenError(f"model.dtype {dtype!r} is not supported; use auto, {', '.join(DTYPES)}")
+    if dtype == "auto":
+        dtype = resolve_model_dtype(dtype, _device_for_dtype(device), folder).name
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype="auto" if dtype == "auto" else DTYPES[dtype], device_map=device,
+        folder, dtype=DTYPES[dtype], device_map=device,
         attn_implementation=attn_implementation,
     )
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _device_for_dtype(device: str | None) -> str:
+    """The device kind the dtype rule sees: None (DeepSpeed places the weights) is this process's accelerator."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 def config_hash(model: transformers.PreTrainedModel) -> str:

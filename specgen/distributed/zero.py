@@ -13,31 +13,26 @@ so each forward is preceded by a one-integer all-reduce "does anyone still have 
 batches runs a one-token dummy forward for as long as another one still has real ones (`drain`).
 """
 
-import json
 import logging
 import os
 import warnings
 from dataclasses import fields
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from specgen.capture.target import DTYPES, CaptureOutput, TargetCapture, load_target
 from specgen.errors import SpecgenError
+from specgen.runtime.dtype import resolve_model_dtype
 
 log = logging.getLogger("specgen.distributed")
 
 
-def checkpoint_dtype(model_path: str, requested: str) -> torch.dtype:
-    """The dtype the target is loaded in: model.dtype, or for `auto` the checkpoint's own (fp32 if unrecorded)."""
-    if requested != "auto":
-        if requested not in DTYPES:
-            raise SpecgenError(f"model.dtype {requested!r} is not supported; use auto, {', '.join(DTYPES)}")
-        return DTYPES[requested]
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    recorded = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return DTYPES.get(recorded, torch.float32)
+def checkpoint_dtype(model_path: str, requested: str, device: torch.device) -> torch.dtype:
+    """The dtype the target is loaded in: model.dtype, `auto` by `specgen.runtime.dtype`'s rule on `device`."""
+    if requested != "auto" and requested not in DTYPES:
+        raise SpecgenError(f"model.dtype {requested!r} is not supported; use auto, {', '.join(DTYPES)}")
+    return DTYPES[resolve_model_dtype(requested, device, model_path).name]
 
 
 def deepspeed_config(config: dict, dtype: torch.dtype) -> dict:
@@ -144,7 +139,7 @@ def load_zero3_target(model_cfg, engine_cfg, device: torch.device):
     from transformers.integrations import HfDeepSpeedConfig
 
     init_deepspeed(engine_cfg["dist_backend"], device)
-    config = deepspeed_config(engine_cfg["config"], checkpoint_dtype(model_cfg["path"], model_cfg["dtype"]))
+    config = deepspeed_config(engine_cfg["config"], checkpoint_dtype(model_cfg["path"], model_cfg["dtype"], device))
     keepalive = HfDeepSpeedConfig(config)  # while alive, from_pretrained loads straight into ZeRO-3 partitions
     # device_map=None: DeepSpeed places the partitions (transformers refuses a device_map under ZeRO-3).
     model = load_target(model_cfg["path"], dtype=model_cfg["dtype"], device=None,

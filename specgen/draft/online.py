@@ -26,10 +26,12 @@ log = logging.getLogger("specgen.draft")
 
 
 def tokenize_source(path: str, chat: ChatTemplateTokenizer, *, max_rows: int | None = None,
-                    on_bad_row: str = "skip") -> list[TokenizedSample]:
-    """All samples of a conversation file, tokenized and loss-masked; bad rows are skipped and counted."""
+                    on_bad_row: str = "skip", split: str = "train", subset: str | None = None) -> list[TokenizedSample]:
+    """All samples of a conversation file (or hub dataset split), tokenized and loss-masked; bad rows are skipped
+    and counted."""
     samples, rejected = [], Counter()
-    for index, row in enumerate(prepare_rows(iter_records(path), chat, on_bad_row=on_bad_row)):
+    records = iter_records(path, split=split, subset=subset)
+    for index, row in enumerate(prepare_rows(records, chat, on_bad_row=on_bad_row)):
         if max_rows is not None and index >= max_rows:
             break
         samples.extend(row.samples)

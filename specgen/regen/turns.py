@@ -95,13 +95,14 @@ class UnitResult:
 class ConversationRegenerator:
     """Regenerate the assistant turns of source rows with `generator`, rendering with `tokenizer`'s chat template.
 
-    max_prompt_tokens: longest prompt a turn may be generated from (use data.max_length).
+    max_prompt_tokens: longest prompt a turn may be generated from (data.max_length, less where the model's positions
+        leave less room beside max_new_tokens); prompt_limit: what sets it, for the messages.
     chat_template_kwargs: extra template variables, e.g. {"enable_thinking": False}.
     on_bad_row: "skip" logs a malformed row as a rejection; "fail" raises `SpecgenError` at the first one.
     """
 
     def __init__(self, tokenizer, generator: Generator, policy: TurnPolicy, *, max_prompt_tokens: int,
-                 chat_template_kwargs: dict | None = None, on_bad_row: str = "skip"):
+                 chat_template_kwargs: dict | None = None, on_bad_row: str = "skip", prompt_limit: str | None = None):
         if max_prompt_tokens < 1:
             raise SpecgenError(f"data.max_length must be a positive number of tokens, got {max_prompt_tokens}")
         if on_bad_row not in ON_BAD_ROW:
@@ -110,6 +111,7 @@ class ConversationRegenerator:
         self.generator = generator
         self.policy = policy
         self.max_prompt_tokens = max_prompt_tokens
+        self.prompt_limit = prompt_limit or f"data.max_length={max_prompt_tokens}"
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.on_bad_row = on_bad_row
         self.split_reasoning = renders_reasoning(tokenizer)
@@ -182,8 +184,8 @@ class ConversationRegenerator:
             stats["cut_rows"] += 1
         else:
             self._reject_row(row, RowError("prompt_too_long", f"the prompt for the first turn to regenerate has "
-                                                              f"{len(ids)} tokens, more than data.max_length="
-                                                              f"{self.max_prompt_tokens}; raise data.max_length"))
+                                                              f"{len(ids)} tokens, more than the "
+                                                              f"{self.max_prompt_tokens} allowed ({self.prompt_limit})"))
         return None
 
     def _accept(self, row: _Row, prompt: str, completion: Completion, stats: Counter) -> None:

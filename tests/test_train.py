@@ -198,6 +198,19 @@ def test_a_kill_inside_the_first_save_leaves_nothing_to_resume(shards, tmp_path)
     assert not list((out / "checkpoints").iterdir())  # the half-written checkpoint is gone
 
 
+def test_a_checkpoint_of_the_layout_before_checkpoints_folders_still_resumes(shards, uninterrupted, tmp_path):
+    """Earlier specgen kept training_state/ beside the draft in output.dir: train.resume=true continues from it."""
+    import shutil
+
+    out = tmp_path / "ckpt"
+    train([f"data.shards={shards}", f"output.dir={out}", *SAVED, "train.max_steps=2"])
+    shutil.move(out / "checkpoints" / "step-000002" / "training_state", out / "training_state")
+    shutil.rmtree(out / "checkpoints")
+    train([f"data.shards={shards}", f"output.dir={out}", *SAVED, "train.resume=true"])
+    expected, got = load_file(uninterrupted / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+
+
 def test_online_step_equals_offline_step_padded_or_packed(shards, target, tmp_path):
     """The same samples through the target in the loop give the loss the shards give (one batch holds all), and
     packing them into one row (train.packing) gives the loss of padded rows: the same step four ways."""

@@ -142,7 +142,10 @@ def stage_main(config_name: str) -> Callable[[Callable[[DictConfig], object]], C
         def task(cfg: DictConfig) -> None:
             from transformers.utils import logging as hf_logging
 
+            from specgen.runtime.reaper import guard_job
+
             hf_logging.disable_progress_bar()  # per-file weight-loading bars drown our own progress bar
+            guard_job()  # whatever ends this job ends the processes it starts (specgen.runtime.reaper)
             try:
                 run(finalize(cfg, config_name, user_args))
             except SpecgenError as err:

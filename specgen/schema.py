@@ -140,6 +140,7 @@ KEYS: dict[str, Key] = {
     "train.num_workers": _k("int", min=0),
     "train.log_every": _k("int", min=POSITIVE),
     "train.save_every": _k("int", null=True, min=POSITIVE),
+    "train.keep_checkpoints": _k("int", min=POSITIVE),
     "train.resume": _k("bool"),
     "train.tensorboard": _k("bool"),
     "train.eval_every": _k("int", min=0),

@@ -6,8 +6,8 @@
 
 Read top to bottom: join the process group, open the data (which fixes the target, its aux layers and the
 trained-token counts), build the vocabulary mapping and the draft, wrap it for the distributed backend, run the
-loop. output.dir receives config.json + model.safetensors (servable by vLLM/SGLang), metrics.jsonl, TensorBoard
-logs and training_state/ (for train.resume=true).
+loop. output.dir receives config.json + model.safetensors (the latest draft, servable by vLLM/SGLang), metrics.jsonl,
+TensorBoard logs and checkpoints/step-NNNNNN/ (written atomically; train.resume=true continues from the newest).
 """
 
 import logging
@@ -29,8 +29,11 @@ from specgen.data.prompts import read_prompts
 from specgen.data.template import ChatTemplateTokenizer
 from specgen.draft.batches import BatchPlan
 from specgen.draft.checkpoint import (
+    CHECKPOINTS,
     CONFIG,
+    TRAINING_STATE,
     WEIGHTS,
+    Checkpoints,
     load_draft,
     read_draft_config,
     save_draft,
@@ -64,7 +67,7 @@ from specgen.store.reader import open_shards
 
 log = logging.getLogger("specgen.train")
 
-_OUTPUTS = (CONFIG, WEIGHTS, METRICS, TOKEN_COUNTS, "training_state", "tensorboard")
+_OUTPUTS = (CONFIG, WEIGHTS, METRICS, TOKEN_COUNTS, TRAINING_STATE, CHECKPOINTS, "tensorboard")
 
 
 @dataclass
@@ -130,6 +133,7 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
     if is_main:
         _claim_output_dir(out_dir, resume=resume, overwrite=cfg.output.overwrite)
     accelerator.wait_for_everyone()
+    resume_from = _resume_checkpoint(out_dir) if resume else None
 
     plan = BatchPlan(batch_tokens=cfg.train.batch_tokens, max_batch_size=cfg.train.max_batch_size,
                      seed=cfg.runtime.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
@@ -139,7 +143,7 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
         write_token_counts(out_dir / TOKEN_COUNTS, data.token_counts, data.target_config.get_text_config().vocab_size)
 
     torch.manual_seed(cfg.runtime.seed)
-    draft = build_draft(cfg, data, out_dir if resume else None).to(device)
+    draft = build_draft(cfg, data, resume_from).to(device)
     mask_shift = _mask_shift(cfg)
     objective = TTTObjective(draft, ttt_length=cfg.train.ttt_length, decay=cfg.train.ttt_decay,
                              mask_shift=mask_shift, drop_out_of_vocab=cfg.train.out_of_vocab == "drop")
@@ -162,9 +166,9 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
             "mode": cfg.mode,
             "data": data.description, "ttt_length": cfg.train.ttt_length, "specgen_config": to_container(cfg)}
 
-    def save(state: TrainerState) -> None:
+    def save(state: TrainerState, folder: Path) -> None:
         lease.check()
-        save_draft(draft, out_dir, {**info, "step": state.step, "epoch": state.epoch})
+        save_draft(draft, folder, {**info, "step": state.step, "epoch": state.epoch})
 
     probe = acceptance_probe(cfg, data, device) if is_main and cfg.train.eval_every else None
     if cfg.train.tensorboard:
@@ -174,15 +178,16 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
         settings=LoopSettings(total_steps=total_steps, grad_accum=cfg.train.grad_accum,
                               ttt_decay=cfg.train.ttt_decay, log_every=cfg.train.log_every,
                               save_every=cfg.train.save_every, autocast_dtype=_autocast_dtype(cfg, device),
-                              mask_shift=mask_shift, eval_every=cfg.train.eval_every),
+                              mask_shift=mask_shift, eval_every=cfg.train.eval_every,
+                              keep_checkpoints=cfg.train.keep_checkpoints),
         log_tracker=accelerator.log if cfg.train.tensorboard else None, progress=cfg.runtime.progress,
         vocab_source="checkpoint" if resume or cfg.draft.init else cfg.draft.vocab_source,
         probe=(lambda: probe(draft)) if probe is not None else None)
     if resume:
-        trainer.resume()
-        weights_step = specgen_info(read_draft_config(out_dir)).get("step")
-        if weights_step != trainer.state.step:
-            raise SpecgenError(f"{out_dir} holds weights of step {weights_step} but training state of step "
+        trainer.resume(resume_from)
+        weights_step = specgen_info(read_draft_config(resume_from)).get("step")
+        if weights_step != trainer.state.step:  # only a checkpoint of the layout before checkpoints/ can differ
+            raise SpecgenError(f"{resume_from} holds weights of step {weights_step} but training state of step "
                                f"{trainer.state.step}: the run was killed while saving; restart without "
                                "train.resume (output.overwrite=true) or from a copy of an intact checkpoint")
     start = time.perf_counter()
@@ -204,18 +209,21 @@ def _accelerator(cfg: DictConfig):
 
 
 def _claim_output_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
-    """Resume needs a checkpoint; a fresh run refuses to replace one unless told to, and clears what a run killed
-    before its first checkpoint left behind (metrics, logs)."""
+    """Resume needs a complete checkpoint; a fresh run refuses to replace one unless told to, and clears what a run
+    killed before its first checkpoint left behind (metrics, logs). Both delete checkpoints half-written by a kill."""
     if (out_dir / "manifest.json").exists():
         raise SpecgenError(f"output.dir {out_dir} holds a generated dataset (manifest.json); give the draft "
                            "checkpoint its own output.dir")
-    state = out_dir / "training_state"
+    checkpoints = Checkpoints(out_dir)
+    checkpoints.remove_partial()
     if resume:
-        if not state.is_dir():
-            raise SpecgenError(f"train.resume=true but {out_dir} holds no training_state/ to resume from; "
-                               "drop train.resume or point output.dir at an earlier run's output.dir")
+        if _resume_checkpoint(out_dir) is None:
+            raise SpecgenError(f"train.resume=true but {out_dir} holds no complete checkpoint in {CHECKPOINTS}/ to "
+                               "resume from (a run killed during its first save leaves none); drop train.resume or "
+                               "point output.dir at an earlier run's output.dir")
         return
-    if ((out_dir / WEIGHTS).exists() or state.exists()) and not overwrite:
+    state = out_dir / TRAINING_STATE  # the layout before checkpoints/
+    if ((out_dir / WEIGHTS).exists() or state.exists() or checkpoints.root.exists()) and not overwrite:
         raise SpecgenError(f"{out_dir} already holds a draft checkpoint; pass train.resume=true to continue "
                            "it, output.overwrite=true to replace it, or another output.dir")
     for name in _OUTPUTS:
@@ -225,6 +233,15 @@ def _claim_output_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
         elif path.exists():
             path.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _resume_checkpoint(out_dir: Path) -> Path | None:
+    """The newest complete checkpoint of out_dir; output.dir itself where an earlier specgen wrote training_state/
+    there (the layout before checkpoints/); None when there is none."""
+    latest = Checkpoints(out_dir).latest()
+    if latest is None and (out_dir / TRAINING_STATE).is_dir():
+        return out_dir
+    return latest
 
 
 def offline_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> TrainingData:

@@ -131,3 +131,37 @@ def test_an_unreadable_lease_is_taken_over_once_old(tmp_path):
     os.utime(tmp_path / LEASE, (past, past))
     with hold_lease(tmp_path, stage="generate") as lease:
         assert read_lease(tmp_path).token == lease.info.token
+
+
+HOLDER_WITH_CHILD = """import os, subprocess, sys, time
+from specgen.store.lease import acquire_lease, read_lease
+lease = acquire_lease(sys.argv[1], stage="generate", stale_s=float(sys.argv[2]))
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=sys.argv[3] == "own")
+while sys.argv[3] == "own" and str(child.pid) not in read_lease(sys.argv[1]).children:
+    time.sleep(0.05)  # recorded by the next heartbeat
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("child", ["own", "group"])
+def test_taking_over_a_killed_holders_lease_ends_what_it_left_running(tmp_path, child):
+    """A holder killed with its watchdog leaves processes reparented to init; the job taking over ends them: the
+    recorded descendants (a child in its own session), or the members of the holder's own process group (a child
+    started after the last heartbeat)."""
+    stale_s = "0.3" if child == "own" else "600"  # "group": no heartbeat records the child
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER_WITH_CHILD, str(tmp_path), stale_s, child], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    orphan = int(holder.stdout.readline())
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    try:
+        os.kill(orphan, 0)  # still running after its parent's death
+        with hold_lease(tmp_path, stage="generate"):
+            deadline = time.monotonic() + 10
+            while os.path.exists(f"/proc/{orphan}"):
+                assert time.monotonic() < deadline, "the holder's leftover is still running"
+                time.sleep(0.05)
+    finally:
+        if os.path.exists(f"/proc/{orphan}"):
+            os.kill(orphan, signal.SIGKILL)

@@ -1,6 +1,7 @@
 """`specgen.train`: offline from real shards, online with the target in the loop, checkpoints, resume."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,99 @@ def test_resume_continues_exactly(shards, tmp_path, optimizer):
     assert all(torch.equal(expected[name], got[name]) for name in expected)
     assert [line["step"] for line in metrics(pieces)] == [1, 2, 3, 4]
     assert [line["loss"] for line in metrics(pieces)] == [line["loss"] for line in metrics(straight)]
+
+
+KILL_AT = """import importlib, os, sys
+from specgen.config import compose
+module, _, path = sys.argv[1].partition(":")
+*owners, name = path.split(".")
+owner = importlib.import_module(module)
+for part in owners:
+    owner = getattr(owner, part)
+original, calls = getattr(owner, name), [0]
+def killed(*args, **kwargs):  # the process ends right before the nth call, as kill -9 ends it
+    calls[0] += 1
+    if calls[0] == int(sys.argv[2]):
+        os._exit(137)
+    return original(*args, **kwargs)
+setattr(owner, name, killed)
+from specgen.train import run
+run(compose("train", sys.argv[3:]))
+"""
+SAVED = ["train.max_steps=4", "train.save_every=1", "train.keep_checkpoints=2", "train.schedule_steps=4",
+         "train.epochs=3"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(shards, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted") / "ckpt"
+    train([f"data.shards={shards}", f"output.dir={out}", *SAVED])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_before, resumes_from", [
+    ("specgen.draft.distributed:DDPBackend.save", 2),  # step 3's weights written, its optimizer not
+    ("specgen.draft.trainer:TrainerState.save", 2),  # weights and optimizer written, the loop state not
+    ("specgen.draft.checkpoint:Checkpoints._write_latest", 3),  # renamed into place, the pointer still says step 2
+    ("specgen.draft.checkpoint:Checkpoints._publish", 3),  # output.dir's draft still step 2's
+    ("specgen.draft.checkpoint:Checkpoints._prune", 3),  # three checkpoints left, one too many
+])
+def test_a_kill_inside_a_checkpoint_save_resumes_from_the_last_complete_one(shards, uninterrupted, tmp_path,
+                                                                           kill_before, resumes_from):
+    """A real training process killed inside the save of step 3 (4 steps, a checkpoint every step, 2 kept); the
+    resumed run ends equal to the uninterrupted one, and nothing half-written is left."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "ckpt"
+    overrides = [*QUICK, f"data.shards={shards}", f"output.dir={out}", *SAVED]
+    killed = subprocess.run([sys.executable, "-c", KILL_AT, kill_before, "3", *overrides], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    assert killed.returncode == 137, killed.stderr[-3000:]
+    complete = sorted(path.name for path in (out / "checkpoints").glob("step-*") if not path.name.endswith(".tmp"))
+    assert complete[-1] == f"step-{resumes_from:06d}"
+    assert load_file(out / "checkpoints" / complete[-1] / "model.safetensors")  # complete: it reads
+    train([f"data.shards={shards}", f"output.dir={out}", *SAVED, "train.resume=true"])
+
+    expected, got = load_file(uninterrupted / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+    assert [line["loss"] for line in metrics(out)] == [line["loss"] for line in metrics(uninterrupted)]
+    assert sorted(path.name for path in (out / "checkpoints").iterdir()) == ["latest", "step-000003", "step-000004"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-000004"
+    assert json.loads((out / "config.json").read_text())["specgen"]["step"] == 4
+
+
+def test_a_kill_inside_the_first_save_leaves_nothing_to_resume(shards, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "ckpt"
+    overrides = [*QUICK, f"data.shards={shards}", f"output.dir={out}", *SAVED]
+    killed = subprocess.run([sys.executable, "-c", KILL_AT, "specgen.draft.trainer:TrainerState.save", "1",
+                             *overrides], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert killed.returncode == 137
+    assert [path.name for path in (out / "checkpoints").iterdir()] == ["step-000001.tmp"]
+    with pytest.raises(SpecgenError, match="no complete checkpoint in checkpoints/"):
+        train([f"data.shards={shards}", f"output.dir={out}", *SAVED, "train.resume=true"])
+    assert not list((out / "checkpoints").iterdir())  # the half-written checkpoint is gone
+
+
+def test_a_checkpoint_of_the_layout_before_checkpoints_folders_still_resumes(shards, uninterrupted, tmp_path):
+    """Earlier specgen kept training_state/ beside the draft in output.dir: train.resume=true continues from it."""
+    import shutil
+
+    out = tmp_path / "ckpt"
+    train([f"data.shards={shards}", f"output.dir={out}", *SAVED, "train.max_steps=2"])
+    shutil.move(out / "checkpoints" / "step-000002" / "training_state", out / "training_state")
+    shutil.rmtree(out / "checkpoints")
+    train([f"data.shards={shards}", f"output.dir={out}", *SAVED, "train.resume=true"])
+    expected, got = load_file(uninterrupted / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
 
 
 def test_online_step_equals_offline_step_padded_or_packed(shards, target, tmp_path):

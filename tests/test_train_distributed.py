@@ -60,18 +60,24 @@ def test_two_processes_online(distributed, target, tmp_path):  # noqa: F811
     launch_two(["mode=online", f"model.path={target}", *data_overrides(), f"output.dir={tmp_path / 'ckpt'}",
                 f"distributed={distributed}", "train.max_steps=2", *optimizer_for(distributed)], tmp_path)
     assert [line["step"] for line in metrics(tmp_path / "ckpt")] == [1, 2]
-    assert (tmp_path / "ckpt" / "training_state").is_dir()
+    assert (tmp_path / "ckpt" / "checkpoints" / "step-000002" / "training_state").is_dir()
 
 
 def test_zero2_resume(shards, tmp_path):  # noqa: F811
-    """ZeRO-2 partitions the optimizer state; resuming restores every partition."""
+    """ZeRO-2 partitions the optimizer state; resuming restores every partition. Both processes write their
+    partitions into the step's staging folder, which the main process renames once all are written."""
     schedule = ["distributed=zero2", "train.schedule_steps=4", "train.epochs=3", *optimizer_for("zero2")]
     launch_two([f"data.shards={shards}", f"output.dir={tmp_path / 'straight'}", "train.max_steps=4", *schedule],
                tmp_path)
     launch_two([f"data.shards={shards}", f"output.dir={tmp_path / 'pieces'}", "train.max_steps=2", *schedule],
                tmp_path)
     launch_two([f"data.shards={shards}", f"output.dir={tmp_path / 'pieces'}", "train.max_steps=4",
-                "train.resume=true", *schedule], tmp_path)
+                "train.resume=true", "train.save_every=1", *schedule], tmp_path)
+    checkpoints = tmp_path / "pieces" / "checkpoints"
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["latest", "step-000003", "step-000004"]
+    partitions = {path.name for path in (checkpoints / "step-000004" / "training_state" / "deepspeed").iterdir()}
+    assert {name for name in partitions if "optim_states" in name} == {
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
     straight = load_file(tmp_path / "straight" / "model.safetensors")
     pieces = load_file(tmp_path / "pieces" / "model.safetensors")
     for name in straight:

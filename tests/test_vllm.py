@@ -162,6 +162,41 @@ def test_llama_resume_after_kill_gives_the_uninterrupted_dataset(llama, data, ll
     assert (out / "rejected.jsonl").read_text() == (llama_vllm / "rejected.jsonl").read_text()
 
 
+def test_kill_9_of_a_multiprocess_vllm_job_leaves_no_process(tmp_path):
+    """kill -9 of `specgen generate engine=vllm` with vLLM's own processes (engine core, workers: the default
+    multiprocessing, executor mp) mid-run: within seconds none of the job's processes is left (specgen's watchdog
+    ends them; before it, EngineCore and Worker were reparented to init and kept running)."""
+    from specgen.runtime.reaper import descendants, start_time
+
+    out = tmp_path / "out"  # the bundled tiny target on the bundled chat sample: the embedded default
+    cmd = vllm_cmd("generate", f"output.dir={out}", "runtime.progress=false", "output.shard_size=2",
+                   "data.max_rows=1000", "data.max_length=1024", "engine.distributed_executor_backend=mp")
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    recorded: dict[int, str] = {}
+    try:
+        deadline = time.time() + 600
+        while not list(out.glob("shard-*.arrow")):  # the engine is up and capturing
+            assert proc.poll() is None and time.time() < deadline, "the job ended before its first shard"
+            time.sleep(0.05)
+        recorded = descendants([proc.pid])
+        names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in recorded if Path(f"/proc/{pid}").exists()}
+        assert len(recorded) >= 3, names  # engine core, worker, specgen's watchdog (and vLLM's helpers)
+        assert proc.poll() is None, "the job finished before it could be killed mid-run"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert not (out / "manifest.json").exists()
+        deadline = time.time() + 30
+        while alive := [pid for pid, start in recorded.items() if start_time(pid) == start]:
+            assert time.time() < deadline, f"left running after kill -9 of the job: {alive} of {names}"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        for pid, start in recorded.items():
+            if start_time(pid) == start:
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_qwen3_bfloat16_rows_and_logprobs_equal_hf(qwen3, data, tmp_path):
     """bf16 within a few bf16 steps; token_logprobs from vLLM's prompt log-probs; the engine in its own processes."""
     overrides = [f"model.path={qwen3}", f"data.path={data}", *COMMON, "capture.token_logprobs=true",

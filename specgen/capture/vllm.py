@@ -38,6 +38,7 @@ from specgen.capture.layers import default_aux_layers, validate_aux_layers
 from specgen.capture.target import DTYPES, CaptureOutput, TargetCapture
 from specgen.errors import SpecgenError
 from specgen.runtime.dtype import resolve_model_dtype
+from specgen.runtime.reaper import guard_job
 
 log = logging.getLogger("specgen.capture.vllm")
 
@@ -266,6 +267,7 @@ def prepare_environment(engine: dict) -> None:
 def start_engine(path: str, dtype: torch.dtype, layer_ids: list[int], engine: dict, max_model_len: int, seed: int):
     """One vLLM engine with `extract_hidden_states` capturing `layer_ids` and specgen's connector."""
     prepare_environment(engine)
+    guard_job()  # vLLM's engine core and workers end with this process, even after kill -9
     from vllm import LLM
 
     log.info("starting vLLM on %s (capturing vLLM layer ids %s)", path, layer_ids)

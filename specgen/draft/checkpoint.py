@@ -8,7 +8,13 @@
                              specgen's convention (0-based decoder-layer outputs), the format, training step, the weights'
                              sha256 in `checksums` (checked by load_draft)
     CKPT/model.safetensors   fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t (int64), t2d (bool)
-    CKPT/training_state/     optimizer, scheduler and data position, to resume training exactly
+
+A training run's output.dir holds the latest draft in that layout (what evaluate, export and serving read) and, under
+`checkpoints/`, the step-numbered checkpoints that `train.resume=true` continues from (`Checkpoints`):
+
+    OUT/checkpoints/step-000120/              config.json, model.safetensors, training_state/ (optimizer,
+                                              scheduler and data position, to resume training exactly)
+    OUT/checkpoints/latest                    the newest complete checkpoint's folder name
 
 The token embedding is the target's and is not stored (as in the published EAGLE-3 drafts): both serving
 engines, and `load_draft` here, take it from the target. Weights are stored in the training dtype (float32 master
@@ -17,6 +23,9 @@ and speculators formats, the published EAGLE-3 drafts) are read through `specgen
 """
 
 import json
+import os
+import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -26,9 +35,13 @@ from specgen.draft import formats
 from specgen.draft.formats import CONFIG, WEIGHTS
 from specgen.draft.model import Eagle3Draft
 from specgen.errors import SpecgenError
-from specgen.store.commit import checksum_problems
+from specgen.store.commit import (TMP_SUFFIX, checksum_problems, commit_file, fsync_dir, fsync_file, numbered_files,
+                                  tmp_path, write_text_atomic)
 
 TRAINING_STATE = "training_state"
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+_STEP = re.compile(r"step-(\d+)")
 _NOT_STORED = ("embed_tokens.weight",)
 
 
@@ -98,3 +111,106 @@ def specgen_info(config: transformers.PretrainedConfig | dict) -> dict:
     if isinstance(config, dict):
         return dict(config.get("specgen") or {})
     return dict(getattr(config, "specgen", None) or {})
+
+
+class Checkpoints:
+    """The step-numbered checkpoints of a training run: `OUT/checkpoints/step-NNNNNN/` (module docstring).
+
+    A checkpoint is written into `step-NNNNNN.tmp/` (`staging`) and renamed to its final name only once complete
+    (`commit`: every file fsync'd, the rename, the directory fsync'd), so a folder under a final name is always
+    complete and a kill at any moment of a save leaves at worst a `.tmp` folder that the next run deletes. After the
+    rename: the `latest` pointer (written atomically), then the draft published to OUT itself (config.json and
+    model.safetensors, hard links to the checkpoint's files where the filesystem allows, each renamed into place),
+    then checkpoints beyond the newest `keep` deleted (renamed to `.tmp` first, so a half-deleted one never looks
+    complete). `latest()` is the newest complete checkpoint, whether or not the pointer was updated before a kill.
+    Only the main process calls `begin` and `commit`; every process may write into `staging(step)` in between.
+    """
+
+    def __init__(self, out_dir: str | Path, keep: int = 2):
+        if keep < 1:
+            raise SpecgenError(f"train.keep_checkpoints must be at least 1 (the one to resume from), got {keep}")
+        self.out_dir = Path(out_dir)
+        self.root = self.out_dir / CHECKPOINTS
+        self.keep = keep
+
+    def complete(self) -> dict[int, Path]:
+        """The complete checkpoints, by step (ascending)."""
+        return numbered_files(self.root, _STEP) if self.root.is_dir() else {}
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint (None: none)."""
+        complete = self.complete()
+        return complete[max(complete)] if complete else None
+
+    def final(self, step: int) -> Path:
+        return self.root / f"step-{step:06d}"
+
+    def staging(self, step: int) -> Path:
+        """Where the checkpoint of `step` is written before its commit."""
+        return tmp_path(self.final(step))
+
+    def remove_partial(self) -> None:
+        """Delete what killed saves left: staging folders and checkpoints half-deleted by a prune."""
+        if self.root.is_dir():
+            for path in self.root.glob(f"*{TMP_SUFFIX}"):
+                _remove(path)
+
+    def begin(self, step: int) -> Path:
+        """An empty staging folder for `step` (main process, before any process writes into it)."""
+        staging = self.staging(step)
+        _remove(staging)
+        staging.mkdir(parents=True)
+        return staging
+
+    def commit(self, step: int) -> Path:
+        """Make the complete staging folder of `step` the checkpoint of `step`; then the pointer, the published draft
+        and the retention (class docstring). Returns the checkpoint's folder."""
+        staging, final = self.staging(step), self.final(step)
+        _fsync_tree(staging)
+        if final.exists():  # the same step saved again (a resumed run re-reaching it): replace it
+            _remove(final)
+        commit_file(staging, final)
+        self._write_latest(final)
+        self._publish(final)
+        self._prune()
+        return final
+
+    def _write_latest(self, final: Path) -> None:
+        write_text_atomic(self.root / LATEST, final.name + "\n")
+
+    def _publish(self, final: Path) -> None:
+        """The checkpoint's draft as OUT/model.safetensors + OUT/config.json (weights first: the config names
+        their checksum)."""
+        for name in (WEIGHTS, CONFIG):
+            tmp = tmp_path(self.out_dir / name)
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(final / name, tmp)
+            except OSError:  # a filesystem without hard links
+                shutil.copyfile(final / name, tmp)
+            commit_file(tmp, self.out_dir / name)
+
+    def _prune(self) -> None:
+        for path in list(self.complete().values())[:-self.keep]:
+            _remove(path)
+
+
+def _remove(path: Path) -> None:
+    """Delete a folder so that a kill midway never leaves it under a name that looks complete."""
+    if not path.exists():
+        return
+    if not path.name.endswith(TMP_SUFFIX):
+        doomed = path.with_name(path.name + ".old" + TMP_SUFFIX)
+        _remove(doomed)
+        os.replace(path, doomed)
+        fsync_dir(path.parent)
+        path = doomed
+    shutil.rmtree(path)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file and folder below `folder` (DeepSpeed's own files are not fsync'd when written)."""
+    for root, dirs, files in os.walk(folder):
+        for name in files:
+            fsync_file(Path(root) / name)
+        fsync_dir(root)

@@ -7,12 +7,13 @@ from torch.utils.data import DataLoader
 
 from specgen.draft.batches import BatchPlan
 from specgen.draft.ttt import DraftBatch, collate
+from specgen.runtime.reaper import dataloader_worker_init
 from specgen.store.reader import ShardDataset
 
 
 class OfflineBatches:
     """Batches of a shard dataset (padded or packed, per the plan). Worker processes re-open the memory maps
-    themselves."""
+    themselves, and die with the process that iterates the loader (parent-death signal), even by `kill -9`."""
 
     def __init__(self, dataset: ShardDataset, plan: BatchPlan, *, num_workers: int = 0, pin_memory: bool = False):
         self.dataset = dataset
@@ -31,6 +32,6 @@ class OfflineBatches:
             return []
         return DataLoader(self.dataset, batch_sampler=batches,
                           collate_fn=partial(collate, packed=self.plan.packing), num_workers=self.num_workers,
-                          pin_memory=self.pin_memory, persistent_workers=False,
+                          pin_memory=self.pin_memory, persistent_workers=False, worker_init_fn=dataloader_worker_init,
                           prefetch_factor=4 if self.num_workers else None)
 

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 from tqdm.auto import tqdm
 
+from specgen.draft.checkpoint import TRAINING_STATE, Checkpoints
 from specgen.draft.distributed import Backend
 from specgen.draft.target_head import TargetHead
 from specgen.draft.ttt import DraftBatch, batch_target, step_metrics
@@ -48,6 +49,7 @@ class LoopSettings:
     autocast_dtype: torch.dtype | None  # bf16 mixed precision on GPU, None for full precision
     mask_shift: int = 2  # step j at index i is scored where loss_mask[i + mask_shift + j] (specgen.draft.ttt)
     eval_every: int = 0  # optimizer steps between acceptance probes (and at the last step); 0: none
+    keep_checkpoints: int = 2  # complete checkpoints kept in out_dir/checkpoints (the newest)
 
 
 @dataclass
@@ -93,12 +95,13 @@ class _Window:
 
 
 class DraftTrainer:
-    """Runs the loop. `save_draft(state)` writes the draft (main process only), `backend.save` the optimizer;
+    """Runs the loop. `save_draft(state, folder)` writes the draft (main process only), `backend.save` the optimizer
+    (into a step-numbered checkpoint under out_dir/checkpoints, committed atomically: `Checkpoints`);
     `probe()` (main process only, every `settings.eval_every` steps) returns metrics of the live draft, such as
     `specgen.draft.probe.AcceptanceProbe`'s, merged into that step's metrics line."""
 
     def __init__(self, *, backend: Backend, head: TargetHead, source: BatchSource, settings: LoopSettings,
-                 out_dir: Path, save_draft: Callable[[TrainerState], None], is_main: bool,
+                 out_dir: Path, save_draft: Callable[[TrainerState, Path], None], is_main: bool,
                  log_tracker: Callable[[dict, int], None] | None = None, progress: bool = True,
                  vocab_source: str = "data", probe: Callable[[], dict] | None = None):
         self.backend = backend
@@ -113,16 +116,14 @@ class DraftTrainer:
         self.vocab_source = vocab_source  # where the draft vocabulary came from, for the nothing-scored error
         self.probe = probe
         self.state = TrainerState()
+        self.checkpoints = Checkpoints(out_dir, settings.keep_checkpoints)
         self._first_window = True
 
-    @property
-    def state_dir(self) -> Path:
-        return self.out_dir / "training_state"
-
-    def resume(self) -> None:
-        """Continue from the checkpoint in out_dir (weights are loaded by the caller before wrapping)."""
-        self.state = TrainerState.load(self.state_dir)
-        self.backend.load(self.state_dir)
+    def resume(self, checkpoint: Path) -> None:
+        """Continue from the complete checkpoint folder `checkpoint` (weights are loaded by the caller before
+        wrapping)."""
+        self.state = TrainerState.load(checkpoint / TRAINING_STATE)
+        self.backend.load(checkpoint / TRAINING_STATE)
         if self.is_main:
             _truncate_metrics(self.out_dir / METRICS, self.state.step)
         log.info("resumed at step %d (epoch %d, %d batches into it)", self.state.step, self.state.epoch,
@@ -228,15 +229,22 @@ class DraftTrainer:
             "use a larger draft.vocab_size")
 
     def checkpoint(self) -> None:
-        """Draft weights + config (main), optimizer/scheduler (all processes), then the loop state (main) last:
-        the state file names a step only once everything of that step is on disk."""
+        """Into the step's staging folder: draft weights + config (main), optimizer/scheduler (all processes), the
+        loop state (main); then the main process commits the folder (one rename) once everything is on disk."""
+        distributed = torch.distributed.is_initialized()
         if self.is_main:
-            self.save_draft(self.state)
-        self.backend.save(self.state_dir)
-        if torch.distributed.is_initialized():
+            self.checkpoints.begin(self.state.step)
+        if distributed:
+            torch.distributed.barrier()  # the staging folder exists before any process writes into it
+        folder = self.checkpoints.staging(self.state.step)
+        if self.is_main:
+            self.save_draft(self.state, folder)
+        self.backend.save(folder / TRAINING_STATE)
+        if distributed:
             torch.distributed.barrier()
         if self.is_main:
-            self.state.save(self.state_dir)
+            self.state.save(folder / TRAINING_STATE)
+            self.checkpoints.commit(self.state.step)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from specgen.regen.engine import Completion, Sampling, stop_token_ids
+from specgen.runtime.reaper import guard_job
 
 
 class VllmGenerator:
@@ -26,6 +27,7 @@ class VllmGenerator:
 
         require_vllm()
         prepare_environment(engine)
+        guard_job()  # vLLM's engine core and workers end with this process, even after kill -9
         from vllm import LLM
 
         self.sampling = sampling

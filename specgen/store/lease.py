@@ -13,6 +13,10 @@ A job that finds a lease:
   (`output.overwrite=true` included: overwriting a directory another job writes would destroy its work);
 - takes it over at once when the holder is on this host and its process is gone (a `kill -9`), or when the
   heartbeat is older than `stale_s` (a lost machine: clocks must agree within a few seconds, as NTP keeps them).
+  A holder on this host whose process is gone may have left processes running (vLLM's engine, DataLoader workers,
+  where its watchdog was killed with it): the lease records the holder's descendants (refreshed with each
+  heartbeat) and its process group, and the job taking over first ends those still alive and owned by the same user
+  (`specgen.runtime.reaper`; the group only where the holder led it, so a shell's group is never touched).
 Takeovers are serialised by a second exclusive-create file (`.specgen-lease.takeover`), so two jobs that both
 find the same stale lease cannot both win; the new lease is written with an atomic rename.
 
@@ -28,10 +32,11 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specgen.errors import SpecgenError
+from specgen.runtime.reaper import descendants, end_processes, group_members
 from specgen.store.commit import fsync_dir
 
 log = logging.getLogger("specgen.lease")
@@ -56,6 +61,8 @@ class LeaseInfo:
     started: float
     heartbeat: float
     token: str
+    pgid: int | None = None  # the holder's process group
+    children: dict[str, str] = field(default_factory=dict)  # the holder's descendants: pid -> start time
 
     def describe(self) -> str:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
@@ -129,6 +136,7 @@ class Lease:
                 log.error("%s; this job stops at its next commit", self._lost)
                 return
             self.info.heartbeat = time.time()
+            self.info.children = {str(pid): start for pid, start in descendants([self.info.pid]).items()}
             try:
                 _write(self.path, self.info)
             except OSError as error:  # a full disk or a network hiccup: try again next beat
@@ -180,7 +188,8 @@ def acquire_lease(out_dir: str | Path, *, stage: str, stale_s: float = STALE_S) 
     out_dir.mkdir(parents=True, exist_ok=True)
     now = time.time()
     info = LeaseInfo(host=socket.gethostname(), pid=os.getpid(), pid_start=_pid_start(os.getpid()), stage=stage,
-                     started=now, heartbeat=now, token=uuid.uuid4().hex)
+                     started=now, heartbeat=now, token=uuid.uuid4().hex, pgid=os.getpgid(0),
+                     children={str(pid): start for pid, start in descendants([os.getpid()]).items()})
     path = out_dir / LEASE
     for _ in range(200):
         if _create_exclusive(path, json.dumps(asdict(info)).encode()):
@@ -214,6 +223,8 @@ def _take_over(out_dir: Path, stale: LeaseInfo | None, info: LeaseInfo) -> bool:
         current = read_lease(out_dir)
         if (current.token if current else None) != (stale.token if stale else None):
             return False  # the lease changed since we read it: someone else took over (or it was released)
+        if stale is not None:
+            end_leftovers(stale)
         for leftover in out_dir.glob(f"{LEASE}.*.new"):
             leftover.unlink(missing_ok=True)
         _write(out_dir / LEASE, info)
@@ -221,6 +232,21 @@ def _take_over(out_dir: Path, stale: LeaseInfo | None, info: LeaseInfo) -> bool:
         return True
     finally:
         lock.unlink(missing_ok=True)
+
+
+def end_leftovers(holder: LeaseInfo) -> list[int]:
+    """End what a dead holder on this host left running: its recorded descendants and, where it led its process
+    group, the group's members (same user only). Nothing for a holder on another host or still alive."""
+    if holder.host != socket.gethostname() or _pid_alive(holder.pid, holder.pid_start):
+        return []
+    leftovers = {int(pid): start for pid, start in holder.children.items()}
+    if holder.pgid is not None and holder.pgid == holder.pid:
+        leftovers.update(group_members(holder.pgid))
+    ended = end_processes(leftovers)
+    if ended:
+        log.warning("ended %d processes left running by the dead holder (pid %d): %s", len(ended), holder.pid,
+                    " ".join(map(str, ended)))
+    return ended
 
 
 @contextmanager

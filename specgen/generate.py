@@ -4,13 +4,15 @@ Read top to bottom: load the tokenizer and target, claim the output directory, t
 units of `output.shard_size` rows. Each unit becomes one shard, written atomically; units already finished by an
 earlier (possibly killed) run are skipped, so re-running the same command resumes. The manifest is written last.
 
-Under `accelerate launch` each process takes the units `unit % world_size == rank` (`specgen.distributed`); the
-main process writes the manifest once every process is done (`specgen.distributed.monitor`). Within a process,
+Under `accelerate launch` each process claims the next unfinished unit whenever it is ready for one
+(`specgen.distributed.claims`), so no process waits for a slower one; the main process writes the manifest once
+every process is done (`specgen.distributed.monitor`). Within a process,
 tokenizing runs ahead of the target and writing behind it (`specgen.pipeline`).
 """
 
 import json
 import logging
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import closing
@@ -38,7 +40,8 @@ from specgen.data.sample import TokenizedSample
 from specgen.data.sources import SourceRecord, capped_source, work_units
 from specgen.data.template import ChatTemplateTokenizer, chat_template_sha256
 from specgen.draft.vocab import TARGET_TOKEN_COUNTS, TOKEN_COUNTS
-from specgen.distributed import Workers, init_workers, report_error
+from specgen.distributed import Workers, init_workers, report_error, slowdown_for_tests
+from specgen.distributed.claims import UnitClaims, clear_claims
 from specgen.distributed.monitor import JobMonitor, PeerFailure
 from specgen.distributed.zero import ZeroCapture, load_zero3_target
 from specgen.errors import SpecgenError
@@ -272,15 +275,19 @@ def prepare_unit(cfg: DictConfig, unit: int, records: list[SourceRecord], chat: 
 
 
 def owned_units(cfg: DictConfig, records: Iterable[SourceRecord], chat: ChatTemplateTokenizer, workers: Workers,
-                done: set[int], monitor: JobMonitor) -> Iterator[PreparedUnit]:
-    """This process's unfinished units, tokenized in order; its finished ones only count towards progress."""
+                done: set[int], monitor: JobMonitor, claims: UnitClaims) -> Iterator[PreparedUnit]:
+    """The unfinished units this process claims, tokenized in order (claimed when the previous one was taken off
+    the prefetch queue); finished ones only count towards progress, on the main process."""
+    slowdown = slowdown_for_tests(workers.rank)
     for unit, unit_records in work_units(records, cfg.output.shard_size):
-        if not workers.owns(unit):
-            continue
         if unit in done:
-            monitor.add(rows=len(unit_records))
+            if workers.is_main:
+                monitor.add(rows=len(unit_records))
             continue
-        yield prepare_unit(cfg, unit, unit_records, chat)
+        if slowdown:
+            time.sleep(slowdown)
+        if claims.claim(unit):
+            yield prepare_unit(cfg, unit, unit_records, chat)
 
 
 def unit_batches(cfg: DictConfig, unit: PreparedUnit, target: Target, plan, device: torch.device,
@@ -493,6 +500,7 @@ def claim_for_job(cfg: DictConfig, out_dir: Path, identity: dict, workers: Worke
             if claim_output_dir(out_dir, identity, overwrite=cfg.output.overwrite):
                 log.info("resuming in %s", out_dir)
             remove_partial(out_dir)
+            clear_claims(out_dir)  # an earlier job's claims: its unfinished units are anyone's again
         except SpecgenError as error:
             problem = str(error)
     main_problem, main_fingerprint = workers.broadcast((problem, fingerprint(identity)))
@@ -543,8 +551,10 @@ def generate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease) -> di
     records = source.records
     monitor = JobMonitor(workers, source.expected_rows, enabled=cfg.runtime.progress,
                          heartbeat_s=cfg.pipeline.heartbeat_s)
+    claims = UnitClaims(out_dir, workers.rank, workers.world_size)
     try:
-        units = prefetched(owned_units(cfg, records, chat, workers, done, monitor), cfg.pipeline.prefetch_units)
+        units = prefetched(owned_units(cfg, records, chat, workers, done, monitor, claims),
+                           cfg.pipeline.prefetch_units)
         with closing(units), BackgroundWriter(out_dir, target.spec, depth=cfg.pipeline.write_queue,
                                               on_batch=lambda tokens: monitor.add(tokens=tokens),
                                               on_commit=lambda rows: monitor.add(rows=rows)) as writer:
@@ -564,7 +574,9 @@ def generate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease) -> di
     manifest = build_manifest(cfg, out_dir, target, tokenizer, identity)
     manifest["last_run"] = {"computed_tokens": job.tokens, "seconds": seconds,
                             "tokens_per_second": job.tokens / max(seconds, 1e-9), "device": str(device),
-                            "processes": workers.world_size, "engine": cfg.engine.name}
+                            "processes": workers.world_size, "engine": cfg.engine.name,
+                            "units_by_process": claims.by_process()}
+    clear_claims(out_dir)
     merge_rejected(out_dir)
     write_manifest(out_dir, manifest)
     print_summary(manifest, out_dir, job.tokens, seconds, workers.world_size,

@@ -68,7 +68,8 @@ class HookCapture(TargetCapture):
                 output = self._decoder(input_ids=input_ids, position_ids=segments.position_ids(input_ids.device),
                                        use_cache=False, output_hidden_states=False)
             except TypeError as error:  # a decoder without position_ids
-                raise PackingUnsupported(f"{type(self._decoder).__name__} does not take position_ids: {error}") from None
+                name = type(self._decoder).__name__
+                raise PackingUnsupported(f"{name} does not take position_ids: {error}") from None
         out = CaptureOutput(aux_hidden_states=aux, last_hidden_state=output[0])
         if not self._packing_checked:
             self._check_packing(input_ids, segments, out)

@@ -2,8 +2,16 @@
 
   bare forward   the HF backbone forward (`model.model`) over the same length-sorted token batches: no capture,
                  no lm_head, no tokenizing, no I/O (the limit)
-  reuse off      python -m specgen.generate with capture.prefix_reuse=false (in-process; model load excluded)
+  padded         python -m specgen.generate with capture.prefix_reuse=false capture.packing=false (in-process; model
+                 load excluded): length-bucketed right-padded batches
+  reuse off      capture.prefix_reuse=false (packing on, the default): every sample packed end to end, no padding
   reuse on       the same with capture.prefix_reuse=true (the default)
+
+Each configuration's `fwd/real` is the tokens it forwarded, padding included, per real token it computed (the
+manifest's `padding`). `GEMM peak` is this machine's matmul rate, measured in the same process before each repeat
+(a [4096 x 4096] @ [4096 x 4096] product in the benchmark's dtype, best of 5), and `of peak` is each configuration's
+dense-equivalent FLOP/s (2 x decoder parameters x tokens + causal attention 2 x layers x hidden x length^2 per
+sample, i.e. the work of every sample run alone) as a share of it, both from the same repeat.
 
 The configurations ALTERNATE within each repeat (bare, off, on, bare, off, on, ...) in one process, so drift in the
 machine's load hits all of them alike; the table gives the median tokens/s (tokens emitted per second of capture)
@@ -45,7 +53,9 @@ from common import LLAMA_TOKENIZER as TOKENIZER
 from common import REPO, SHARED, build_llama
 
 DATASETS = {"glaive": SHARED / "datasets" / "sharegpt_glaive_toolcall.json",
-            "fastchat": SHARED / "datasets" / "sharegpt_fastchat_dummy.json"}
+            "fastchat": SHARED / "datasets" / "sharegpt_fastchat_dummy.json",
+            "alpaca": SHARED / "datasets" / "alpaca_en_demo.json",
+            "reasoning": SHARED / "datasets" / "openai_reasoning_tooluse_50.jsonl"}
 AUX_LAYERS = [1, 3, 4]
 
 
@@ -79,7 +89,7 @@ def generate(model_dir: Path, data: Path, out_dir: Path, args, *overrides: str) 
         f"capture.batch_tokens={args.batch_tokens}", "runtime.progress=false",
         f"output.shard_size={args.shard_size}", *overrides]))
     return {"tokens": manifest["stats"]["tokens"], "computed": manifest["prefix_reuse"]["tokens_computed"],
-            "seconds": manifest["last_run"]["seconds"]}
+            "seconds": manifest["last_run"]["seconds"], "forwarded": manifest["padding"]["forwarded_tokens"]}
 
 
 def bare_forward(backbone, samples, batch_tokens: int) -> dict:
@@ -93,7 +103,31 @@ def bare_forward(backbone, samples, batch_tokens: int) -> dict:
                 ids[b, : len(s)] = torch.tensor(s.input_ids)
             backbone(input_ids=ids)
     tokens = sum(len(s) for s in samples)
-    return {"tokens": tokens, "computed": tokens, "seconds": time.perf_counter() - start}
+    forwarded = sum(len(batch) * len(batch[0]) for batch in token_budget_batches(samples, batch_tokens, 64))
+    return {"tokens": tokens, "computed": tokens, "seconds": time.perf_counter() - start, "forwarded": forwarded}
+
+
+def gemm_peak(dtype: torch.dtype, size: int = 4096, tries: int = 5) -> float:
+    """This machine's matmul FLOP/s now: the best of `tries` [size x size] @ [size x size] products."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    torch.mm(a, b)  # warm up
+    best = float("inf")
+    for _ in range(tries):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best
+
+
+def dense_flops(model, samples) -> float:
+    """The work of running every sample alone: 2 x decoder parameters per token (the embedding lookup and the LM
+    head, which capture never runs, excluded) + causal attention, QK^T and AV over half the [l, l] square."""
+    body = model.model
+    params = sum(p.numel() for p in body.layers.parameters()) + sum(p.numel() for p in body.norm.parameters())
+    config = model.config
+    attention_width = config.num_attention_heads * getattr(config, "head_dim", config.hidden_size //
+                                                           config.num_attention_heads)
+    return sum(2 * params * len(s) + 2 * config.num_hidden_layers * attention_width * len(s) ** 2 for s in samples)
 
 
 def compare(args) -> None:
@@ -106,23 +140,31 @@ def compare(args) -> None:
         model_dir = Path(tmp) / "model"
         build_model(model_dir, args.dtype)
         samples = tokenized_samples(model_dir, data, args.rows, args.max_length)
-        backbone = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).model.eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
+        backbone, flops = model.model, dense_flops(model, samples)
         runs = {"bare forward": lambda out: bare_forward(backbone, samples, args.batch_tokens),
+                "padded": lambda out: generate(model_dir, data, out, args, "capture.prefix_reuse=false",
+                                               "capture.packing=false"),
                 "reuse off": lambda out: generate(model_dir, data, out, args, "capture.prefix_reuse=false"),
                 "reuse on": lambda out: generate(model_dir, data, out, args, "capture.prefix_reuse=true")}
         if args.vllm:
             runs["vllm, prefix cache"] = lambda out: child_result(args, args.vllm, model_dir, data, out, args.rows,
                                                                  args.max_length, ["engine=vllm"])
         results: dict[str, list[dict]] = {name: [] for name in runs}
+        peaks = []
         for repeat, name in itertools.product(range(args.repeats), runs):
+            if name == "bare forward":
+                peaks.append(gemm_peak(getattr(torch, args.dtype)))
+                print(f"repeat {repeat} GEMM peak {peaks[-1] / 1e9:,.1f} GFLOP/s", flush=True)
             cpu = cpu_seconds()
             slug = re.sub(r"\W+", "_", name)  # a folder name without commas (Hydra splits values at commas)
             result = runs[name](Path(tmp) / f"{slug}-{repeat}")
             result["cpu_seconds"] = cpu_seconds() - cpu  # this process's CPU time: steadier than wall on a busy machine
+            result["of_peak"] = flops / result["seconds"] / peaks[-1]
             results[name].append(result)
             print(f"repeat {repeat} {name:<19} {result['tokens'] / result['seconds']:>9,.0f} tokens/s "
                   f"({result['seconds']:.1f}s wall, {result['cpu_seconds']:.1f}s CPU)", flush=True)
-    print(table(results, args))
+    print(table(results, args, peaks))
 
 
 def cpu_seconds() -> float:
@@ -131,18 +173,21 @@ def cpu_seconds() -> float:
     return sum(usage.ru_utime + usage.ru_stime for usage in usages)
 
 
-def table(results: dict[str, list[dict]], args) -> str:
+def table(results: dict[str, list[dict]], args, peaks: list[float]) -> str:
     bare = results["bare forward"]
     lines = [f"\ndata={args.data} rows={args.rows} tokens={bare[0]['tokens']:,} max_length={args.max_length} "
-             f"dtype={args.dtype} threads={args.threads} repeats={args.repeats} (alternating; medians)",
-             f"{'configuration':<20}{'tokens/s':>10}{'vs bare':>9}{'computed':>11}{'CPU-s/Mtok':>12}"
-             "  per-repeat vs bare"]
+             f"dtype={args.dtype} threads={args.threads} repeats={args.repeats} (alternating; medians); "
+             f"GEMM peak {statistics.median(peaks) / 1e9:,.1f} GFLOP/s",
+             f"{'configuration':<20}{'tokens/s':>10}{'vs bare':>9}{'computed':>11}{'fwd/real':>10}{'of peak':>9}"
+             f"{'CPU-s/Mtok':>12}  per-repeat vs bare"]
     ratios = {}
     for name, runs in results.items():
         rates = [r["tokens"] / r["seconds"] for r in runs]
         ratios[name] = [rate / (b["tokens"] / b["seconds"]) for rate, b in zip(rates, bare)]
         lines.append(f"{name:<20}{statistics.median(rates):>10,.0f}{statistics.median(ratios[name]):>9.2f}"
                      f"{runs[0]['computed'] / runs[0]['tokens']:>10.0%}"
+                     f"{runs[0]['forwarded'] / runs[0]['computed']:>10.3f}"
+                     f"{statistics.median(r['of_peak'] for r in runs):>9.0%}"
                      f"{statistics.median(r['cpu_seconds'] / r['tokens'] * 1e6 for r in runs):>12,.0f}  "
                      + " ".join(f"{r:.2f}" for r in ratios[name]))
     off, on = statistics.median(ratios["reuse off"]), statistics.median(ratios["reuse on"])

@@ -4,17 +4,19 @@ Read top to bottom: load the tokenizer and target, claim the output directory, t
 units of `output.shard_size` rows. Each unit becomes one shard, written atomically; units already finished by an
 earlier (possibly killed) run are skipped, so re-running the same command resumes. The manifest is written last.
 
-Under `accelerate launch` each process takes the units `unit % world_size == rank` (`specgen.distributed`); the
-main process writes the manifest once every process is done (`specgen.distributed.monitor`). Within a process,
+Under `accelerate launch` each process claims the next unfinished unit whenever it is ready for one
+(`specgen.distributed.claims`), so no process waits for a slower one; the main process writes the manifest once
+every process is done (`specgen.distributed.monitor`). Within a process,
 tokenizing runs ahead of the target and writing behind it (`specgen.pipeline`).
 """
 
 import json
 import logging
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,18 +28,20 @@ from specgen.capture import TargetCapture, make_capture
 from specgen.capture.layers import default_aux_layers, validate_aux_layers
 from specgen.capture.outputs import SampleOutputs, logprob_statistics
 from specgen.capture.outputs import identity as output_identity
+from specgen.capture.packed import PackedSegments, PackingUnsupported
 from specgen.capture.positions import position_chunks
 from specgen.capture.reuse import capture_with_prefix_reuse, reuse_pays
 from specgen.capture.target import CaptureOutput, config_hash, load_target
 from specgen.config import stage_main, to_container
-from specgen.data.batching import pad_right, token_budget_batches
+from specgen.data.batching import packed_batches, pad_right, token_budget_batches
 from specgen.data.prefixes import plan_prefixes
 from specgen.data.prepare import prepare_rows
 from specgen.data.sample import TokenizedSample
 from specgen.data.sources import SourceRecord, capped_source, work_units
 from specgen.data.template import ChatTemplateTokenizer, chat_template_sha256
 from specgen.draft.vocab import TARGET_TOKEN_COUNTS, TOKEN_COUNTS
-from specgen.distributed import Workers, init_workers, report_error
+from specgen.distributed import Workers, init_workers, report_error, slowdown_for_tests
+from specgen.distributed.claims import UnitClaims, clear_claims
 from specgen.distributed.monitor import JobMonitor, PeerFailure
 from specgen.distributed.zero import ZeroCapture, load_zero3_target
 from specgen.errors import SpecgenError
@@ -70,6 +74,13 @@ class Target:
     outputs: SampleOutputs  # what each sample stores besides tokens: hidden states (bf16/fp8), logits, ...
     sample_filter: SampleFilter = SampleFilter()
     prefix_reuse: bool = False  # capture.prefix_reuse, where the backend can continue from a KV cache
+    packing: bool = False  # capture.packing, where the backend packs (turned off, with `packing_note`, if refused)
+    packing_note: str | None = None  # why packing is off although capture.packing asked for it
+
+    def stop_packing(self, reason: str) -> None:
+        """The model refused to run packed: every later batch is padded, and the summary says why."""
+        log.warning("capture.packing: %s; capturing padded batches instead", reason)
+        self.packing, self.packing_note = False, reason
 
 
 def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
@@ -97,7 +108,11 @@ def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
                     "continue from a KV cache: every row is computed in full (prefix reuse needs a Llama-family "
                     "model with model.attn_implementation=sdpa or eager)", capture.backend,
                     model.config._attn_implementation)
-    return target_for(cfg, tokenizer, capture, prefix_reuse=bool(cfg.capture.prefix_reuse) and capture.supports_kv)
+    target = target_for(cfg, tokenizer, capture, prefix_reuse=bool(cfg.capture.prefix_reuse) and capture.supports_kv)
+    if cfg.capture.packing and not capture.supports_packing:
+        target.packing_note = f"the {capture.backend} capture backend does not pack sequences"
+        log.warning("capture.packing=true, but %s: batches are padded", target.packing_note)
+    return target
 
 
 def target_for(cfg: DictConfig, tokenizer, capture: TargetCapture, prefix_reuse: bool) -> Target:
@@ -107,20 +122,25 @@ def target_for(cfg: DictConfig, tokenizer, capture: TargetCapture, prefix_reuse:
                      store_prefix_once=bool(cfg.output.store_prefix_once), **outputs.spec_fields())
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return Target(capture=capture, spec=spec, pad_id=pad_id, outputs=outputs,
-                  sample_filter=SampleFilter.from_config(cfg), prefix_reuse=prefix_reuse)
+                  sample_filter=SampleFilter.from_config(cfg), prefix_reuse=prefix_reuse,
+                  packing=bool(cfg.capture.packing) and capture.supports_packing)
 
 
 def count_top_tokens(counts: torch.Tensor | None, target: Target, last_hidden_state: torch.Tensor,
-                     loss_masks: list, chunk_tokens: int) -> None:
+                     loss_masks: list, chunk_tokens: int, packed: bool = False) -> None:
     """Add the target's top token at every trainable position (t with loss_mask[t+1] = 1) to `counts` [V], on the
     device and without waiting for it (indices are made on the host, `scatter_add_` rather than `bincount`): the
-    draft vocabulary of `draft.vocab_source=target`. The LM head runs on those positions only."""
+    draft vocabulary of `draft.vocab_source=target`. The LM head runs on those positions only.
+    packed: `last_hidden_state` is [1, N], the rows of `loss_masks` end to end."""
     if counts is None:
         return
     needed = torch.zeros(last_hidden_state.shape[:2], dtype=torch.bool)
+    start = 0
     for b, mask in enumerate(loss_masks):
         mask = torch.as_tensor(mask, dtype=torch.bool)
-        needed[b, : len(mask) - 1] = mask[1:]
+        row, start = (0, start) if packed else (b, 0)
+        needed[row, start: start + len(mask) - 1] = mask[1:]
+        start += len(mask) if packed else 0
     with torch.no_grad():
         for rows, cols in position_chunks(needed, chunk_tokens):  # host indices: no device sync
             device = last_hidden_state.device
@@ -132,11 +152,18 @@ def count_top_tokens(counts: torch.Tensor | None, target: Target, last_hidden_st
 def capture_batches(target: Target, samples: list[TokenizedSample], *, batch_tokens: int, max_batch_size: int,
                     device: torch.device, chunk_tokens: int | None = None, top_counts: torch.Tensor | None = None,
                     lm_head_chunk: int = 1024) -> Iterator[tuple[list[dict], int, None]]:
-    """Run length-bucketed batches through the target; yield (rows without padding, padded token count, ready).
+    """Run batches through the target; yield (rows without padding, tokens forwarded padding included, ready).
 
-    The rows' tensors may be host tensors still being copied from the device: read them after
-    `ready.synchronize()` (`ready` is None on the CPU, and when the output columns were copied synchronously).
+    With `target.packing` a batch's samples run end to end in one row (`capture_packed_batches`), else as
+    length-bucketed right-padded batches. The rows' tensors may be host tensors still being copied from the device:
+    read them after `ready.synchronize()` (`ready` is None on the CPU, and when the output columns were copied
+    synchronously).
     """
+    if target.packing:
+        yield from capture_packed_batches(target, samples, batch_tokens=batch_tokens, max_batch_size=max_batch_size,
+                                          device=device, chunk_tokens=chunk_tokens, top_counts=top_counts,
+                                          lm_head_chunk=lm_head_chunk)
+        return
     for batch in token_budget_batches(samples, batch_tokens, max_batch_size):
         input_ids = pad_right([s.input_ids for s in batch], target.pad_id)
         lengths = torch.tensor([len(s) for s in batch])  # stays on the CPU: checking it must not sync the device
@@ -158,6 +185,46 @@ def capture_batches(target: Target, samples: list[TokenizedSample], *, batch_tok
             target.outputs.add_columns(rows, out, input_ids)
             ready = None
         yield rows, input_ids.numel(), ready
+
+
+def capture_packed_batches(target: Target, samples: list[TokenizedSample], *, batch_tokens: int,
+                           max_batch_size: int, device: torch.device, chunk_tokens: int | None = None,
+                           top_counts: torch.Tensor | None = None, lm_head_chunk: int = 1024):
+    """`capture_batches` without padding: samples packed end to end, `batch_tokens` real tokens per forward
+    (`specgen.data.batching.packed_batches`). A sample longer than `chunk_tokens` runs alone with chunked prefill
+    (a batch of one: no padding either). If the model refuses to run packed, it and every later batch run padded."""
+    long = [s for s in samples if chunk_tokens is not None and len(s) > chunk_tokens]
+    packs = packed_batches([s for s in samples if chunk_tokens is None or len(s) <= chunk_tokens], batch_tokens,
+                           max_batch_size)
+    padded = replace(target, packing=False)
+    # Long samples first (as in the sorted order), one at a time with chunked prefill: no padding either.
+    yield from capture_batches(padded, long, batch_tokens=batch_tokens, max_batch_size=1, device=device,
+                               chunk_tokens=chunk_tokens, top_counts=top_counts, lm_head_chunk=lm_head_chunk)
+    rest: list[TokenizedSample] = []  # what the padded path captures after a refusal
+    for index, batch in enumerate(packs):
+        segments = PackedSegments.from_lengths([len(s) for s in batch])
+        input_ids = torch.tensor([[token for s in batch for token in s.input_ids]])
+        try:
+            out = target.capture.packed(to_device(input_ids, device), segments)
+        except PackingUnsupported as error:
+            target.stop_packing(str(error))
+            rest = [s for pack in packs[index:] for s in pack]
+            break
+        count_top_tokens(top_counts, target, out.last_hidden_state, [s.loss_mask for s in batch], lm_head_chunk,
+                         packed=True)
+        rows = [{"sample_id": s.sample_id, "source_index": s.source_index, "input_ids": s.input_ids,
+                 "loss_mask": s.loss_mask} for s in batch]
+        ready = None
+        if target.outputs.hidden_states_only:  # copied down on a side stream; the writer waits for `ready`
+            out, ready = copy_to_host(out)
+        for row, (lo, hi) in zip(rows, segments.spans()):
+            row["aux_hidden_states"] = out.aux_hidden_states[0, lo:hi]
+            row["last_hidden_state"] = out.last_hidden_state[0, lo:hi]
+        if not target.outputs.hidden_states_only:  # the other columns from the padded layout's one code path
+            rows, _ = with_output_columns(target, (rows, 0), device)
+        yield rows, segments.total, ready
+    yield from capture_batches(padded, rest, batch_tokens=batch_tokens, max_batch_size=max_batch_size, device=device,
+                               chunk_tokens=chunk_tokens, top_counts=top_counts, lm_head_chunk=lm_head_chunk)
 
 
 def with_output_columns(target: Target, rows: list[dict], device: torch.device, top_counts: torch.Tensor | None = None,
@@ -208,15 +275,19 @@ def prepare_unit(cfg: DictConfig, unit: int, records: list[SourceRecord], chat: 
 
 
 def owned_units(cfg: DictConfig, records: Iterable[SourceRecord], chat: ChatTemplateTokenizer, workers: Workers,
-                done: set[int], monitor: JobMonitor) -> Iterator[PreparedUnit]:
-    """This process's unfinished units, tokenized in order; its finished ones only count towards progress."""
+                done: set[int], monitor: JobMonitor, claims: UnitClaims) -> Iterator[PreparedUnit]:
+    """The unfinished units this process claims, tokenized in order (claimed when the previous one was taken off
+    the prefetch queue); finished ones only count towards progress, on the main process."""
+    slowdown = slowdown_for_tests(workers.rank)
     for unit, unit_records in work_units(records, cfg.output.shard_size):
-        if not workers.owns(unit):
-            continue
         if unit in done:
-            monitor.add(rows=len(unit_records))
+            if workers.is_main:
+                monitor.add(rows=len(unit_records))
             continue
-        yield prepare_unit(cfg, unit, unit_records, chat)
+        if slowdown:
+            time.sleep(slowdown)
+        if claims.claim(unit):
+            yield prepare_unit(cfg, unit, unit_records, chat)
 
 
 def unit_batches(cfg: DictConfig, unit: PreparedUnit, target: Target, plan, device: torch.device,
@@ -351,6 +422,7 @@ def build_manifest(cfg: DictConfig, out_dir: Path, target: Target, tokenizer, id
                      if target.spec.token_logprobs else {})},
         "layout": "prefix_refs" if target.spec.store_prefix_once else "flat",
         "prefix_reuse": prefix_reuse_report(cfg, target, stats),
+        "padding": padding_report(target, stats),
         "config": to_container(cfg),
     }
 
@@ -363,6 +435,19 @@ def prefix_reuse_report(cfg: DictConfig, target: Target, stats: dict) -> dict:
             "tokens_computed": stats.get("tokens_computed", 0), "tokens_emitted": stats.get("tokens_emitted", 0),
             "bytes_stored": stats["bytes_on_disk"],
             "bytes_flat": bytes_flat(stats, target.spec) if stats["num_shards"] else 0}
+
+
+def padding_report(target: Target, stats: dict) -> dict:
+    """Tokens the target forwarded, padding included, against the real tokens it computed (every shard so far)."""
+    forwarded, real = stats.get("padded_tokens", 0), stats.get("tokens_computed", 0)
+    return {"packing": target.packing, "packing_off_because": target.packing_note,
+            "forwarded_tokens": forwarded, "real_tokens": real, "ratio": round(forwarded / real, 4) if real else None}
+
+
+def padding_summary(report: dict) -> str:
+    how = "packed" if report["packing"] else f"padded ({report['packing_off_because'] or 'capture.packing=false'})"
+    ratio = f" ({report['ratio']:.2f}x)" if report["ratio"] is not None else ""
+    return f"{report['forwarded_tokens']:,} tokens forwarded for {report['real_tokens']:,} real{ratio}; {how}"
 
 
 def prefix_reuse_summary(report: dict) -> str:
@@ -390,6 +475,7 @@ def print_summary(manifest: dict, out_dir: Path, computed_tokens: int, seconds: 
         ("rejected rows", rejected_text),
         ("bytes on disk", f"{human_bytes(stats['bytes_on_disk'])} ({stats['bytes_per_token'] or 0:,.0f} B/token)"),
         ("prefix reuse", prefix_reuse_summary(manifest["prefix_reuse"])),
+        ("padding", padding_summary(manifest["padding"])),
         ("throughput", f"{computed_tokens / max(seconds, 1e-9):,.0f} tokens/s over {computed_tokens:,} tokens "
                        f"captured in this run ({seconds:.1f}s, {processes} process{'es' * (processes > 1)})"
                        if computed_tokens else
@@ -419,6 +505,7 @@ def claim_for_job(cfg: DictConfig, out_dir: Path, identity: dict, workers: Worke
             if claim_output_dir(out_dir, identity, overwrite=cfg.output.overwrite):
                 log.info("resuming in %s", out_dir)
             remove_partial(out_dir)
+            clear_claims(out_dir)  # an earlier job's claims: its unfinished units are anyone's again
         except SpecgenError as error:
             problem = str(error)
     main_problem, main_fingerprint = workers.broadcast((problem, fingerprint(identity)))
@@ -471,8 +558,10 @@ def generate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease) -> di
     records = source.records
     monitor = JobMonitor(workers, source.expected_rows, enabled=cfg.runtime.progress,
                          heartbeat_s=cfg.pipeline.heartbeat_s)
+    claims = UnitClaims(out_dir, workers.rank, workers.world_size)
     try:
-        units = prefetched(owned_units(cfg, records, chat, workers, done, monitor), cfg.pipeline.prefetch_units)
+        units = prefetched(owned_units(cfg, records, chat, workers, done, monitor, claims),
+                           cfg.pipeline.prefetch_units)
         with closing(units), BackgroundWriter(out_dir, target.spec, depth=cfg.pipeline.write_queue,
                                               on_batch=lambda tokens: monitor.add(tokens=tokens),
                                               on_commit=lambda rows: monitor.add(rows=rows)) as writer:
@@ -492,7 +581,9 @@ def generate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease) -> di
     manifest = build_manifest(cfg, out_dir, target, tokenizer, identity)
     manifest["last_run"] = {"computed_tokens": job.tokens, "seconds": seconds,
                             "tokens_per_second": job.tokens / max(seconds, 1e-9), "device": str(device),
-                            "processes": workers.world_size, "engine": cfg.engine.name, "dtype": str(dtype)}
+                            "processes": workers.world_size, "engine": cfg.engine.name, "dtype": str(dtype),
+                            "units_by_process": claims.by_process()}
+    clear_claims(out_dir)
     merge_rejected(out_dir)
     write_manifest(out_dir, manifest)
     print_summary(manifest, out_dir, job.tokens, seconds, workers.world_size,

@@ -6,6 +6,7 @@ GPUs, starts CPU processes joined by gloo) on a tiny model, 24 rows and 4 rows p
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -62,13 +63,13 @@ def launch_cmd(args: list[str], *, processes: int = 2, machines: int = 1, machin
     return [*cmd, "-m", "specgen.generate", *args]
 
 
-def start(cmd: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def launch(args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    proc = start(launch_cmd(args, **kwargs))
+def launch(args: list[str], env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+    proc = start(launch_cmd(args, **kwargs), env)
     output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
     return subprocess.CompletedProcess(proc.args, proc.returncode, output)
 
@@ -183,13 +184,15 @@ def test_kill_9_of_one_rank_then_rerun(target, reference, tmp_path):
 
 @pytest.mark.slow
 def test_zero3_two_processes_equal_one(target, tmp_path):
-    """ZeRO-3 partitions the target across 2 processes; 5 units for 2 ranks, so one rank runs dummy forwards."""
+    """ZeRO-3 partitions the target across 2 processes; rank 1 is slowed down (SPECGEN_TEST_SLOW_RANK) so that it
+    claims fewer of the 5 units and runs dummy forwards while rank 0 finishes."""
     rows = "data.max_rows=20"
     reference = tmp_path / "reference"
     run(compose("generate", job_args(target, reference, rows)))
     out_dir = tmp_path / "out"
     done = launch(job_args(target, out_dir, rows, "engine=deepspeed",
-                           "engine.config.zero_optimization.stage3_param_persistence_threshold=0"))
+                           "engine.config.zero_optimization.stage3_param_persistence_threshold=0"),
+                  env={"SPECGEN_TEST_SLOW_RANK": "1:2"})
     assert done.returncode == 0, done.stdout[-3000:]
     assert done.stdout.count("(50%)") == 2  # each process holds half of the parameters
     assert "dummy forwards" in done.stdout  # the rank with fewer batches kept the other's gathers company
@@ -199,7 +202,7 @@ def test_zero3_two_processes_equal_one(target, tmp_path):
 
 @pytest.mark.slow
 def test_failing_rank_ends_the_job_with_its_error(target, tmp_path):
-    """A bad row in unit 3 (owned by rank 1) with data.on_bad_row=fail: the job exits non-zero, naming it."""
+    """A bad row in unit 3 with data.on_bad_row=fail: the job exits non-zero, naming it and the rank that claimed it."""
     rows = [json.loads(line) for line in (ASSETS_DIR / "chat" / "train.jsonl").read_text().splitlines()[:ROWS]]
     lines = [json.dumps(row) for row in rows]
     lines[13] = "{not json"
@@ -208,10 +211,25 @@ def test_failing_rank_ends_the_job_with_its_error(target, tmp_path):
     started = time.time()
     done = launch(job_args(target, tmp_path / "out", f"data.path={data}", "data.on_bad_row=fail"))
     assert done.returncode != 0
-    assert "error: process 1 of 2: row 13" in done.stdout
+    assert re.search(r"error: process [01] of 2: row 13", done.stdout)
     assert "Root Cause" in done.stdout and "SpecgenError: row 13" in done.stdout  # the launcher's summary
     assert time.time() - started < LAUNCH_TIMEOUT
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+@pytest.mark.slow
+def test_a_slow_rank_claims_fewer_units_and_the_dataset_is_unchanged(target, tmp_path):
+    """Rank 1 sleeps 2 s before each claim (SPECGEN_TEST_SLOW_RANK): rank 0 claims the units rank 1 does not get to."""
+    one_row_units = ("output.shard_size=1", "pipeline.prefetch_units=1")
+    reference = tmp_path / "reference"
+    run(compose("generate", [*job_args(target, reference), *one_row_units]))
+    out_dir = tmp_path / "out"
+    done = launch([*job_args(target, out_dir), *one_row_units], env={"SPECGEN_TEST_SLOW_RANK": "1:2"})
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert_same_dataset(out_dir, reference)
+    units = json.loads((out_dir / "manifest.json").read_text())["last_run"]["units_by_process"]
+    assert units["0"] + units["1"] == ROWS and units["0"] > 2 * units["1"]
+    assert not (out_dir / ".specgen-claims").exists()  # claims last one job
 
 
 def test_output_dir_must_not_depend_on_launch_time(target, tmp_path):

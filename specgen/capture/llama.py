@@ -18,6 +18,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from specgen.capture.kv import (EXPLICIT_MASK_ATTENTION, GROUPED_ATTENTION, GroupedPast, KVRecorder, PastKV,
                                continuation_mask, grouped_past_attention)
+from specgen.capture.packed import PackedSegments, packed_attention
 from specgen.capture.target import CaptureOutput, TargetCapture
 from specgen.errors import SpecgenError
 from specgen.runtime.compat import cache_kwarg
@@ -59,6 +60,25 @@ class LlamaFamilyCapture(TargetCapture):
     @property
     def supports_kv(self) -> bool:
         return self.model.config._attn_implementation in EXPLICIT_MASK_ATTENTION
+
+    @property
+    def supports_packing(self) -> bool:
+        return True
+
+    def _forward_packed(self, input_ids: torch.LongTensor, segments: PackedSegments) -> CaptureOutput:
+        """One packed row: positions restart at each segment, attention is block-diagonal (no mask tensor)."""
+        body = self.model.model
+        hidden_state = body.embed_tokens(input_ids)
+        position_ids = segments.position_ids(input_ids.device)
+        position_embeddings = body.rotary_emb(hidden_state, position_ids)
+        aux = self._new_aux_buffer(input_ids)
+        with packed_attention(self.model.config, segments):
+            for index, decoder_layer in enumerate(body.layers[:self.num_layers]):
+                output = decoder_layer(hidden_state, attention_mask=None, position_ids=position_ids,
+                                       position_embeddings=position_embeddings, use_cache=False)
+                hidden_state = output[0] if isinstance(output, tuple) else output
+                self._keep_if_requested(aux, index, hidden_state)
+        return CaptureOutput(aux_hidden_states=aux, last_hidden_state=body.norm(hidden_state))
 
     def _forward(self, input_ids: torch.LongTensor, past_key_values: transformers.Cache | None = None,
                  past: PastKV | GroupedPast | None = None, keep_kv: bool = False) -> CaptureOutput:

@@ -23,6 +23,7 @@ import transformers
 
 from specgen.capture.kv import GroupedPast, LayerKV, PastKV
 from specgen.capture.layers import default_aux_layers, validate_aux_layers
+from specgen.capture.packed import PackedSegments, PackingUnsupported
 from specgen.errors import SpecgenError
 from specgen.runtime.dtype import resolve_model_dtype
 
@@ -136,6 +137,33 @@ class TargetCapture(ABC):
     def supports_kv(self) -> bool:
         """Whether `past` and `keep_kv` work (shared-prefix reuse needs them); see `specgen.capture.kv`."""
         return False
+
+    @property
+    def supports_packing(self) -> bool:
+        """Whether `packed` works: sequences end to end in one row, no padding (see `specgen.capture.packed`)."""
+        return False
+
+    @torch.inference_mode()
+    def packed(self, input_ids: torch.LongTensor, segments: PackedSegments) -> CaptureOutput:
+        """Capture sequences laid end to end in one row: input_ids [1, N], `segments` where each one starts; the
+        outputs are [1, N, ...], each segment's states those it has alone. Raises `PackingUnsupported` when this
+        backend or model cannot run packed (the caller then captures padded batches)."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] != segments.total:
+            raise ValueError(f"expected input_ids [1, {segments.total}] for the packed segments, got "
+                             f"{tuple(input_ids.shape)}")
+        if not self.supports_packing:
+            raise PackingUnsupported(f"the {self.backend} capture backend does not pack sequences")
+        segments.calls = 0
+        out = self._forward_packed(input_ids.to(self.device), segments)
+        if segments.calls != self.num_layers:
+            raise PackingUnsupported(f"{type(self.model).__name__} ran {segments.calls} packed attention calls for "
+                                     f"{self.num_layers} decoder layers: some layers mix tokens another way")
+        return out
+
+    def _forward_packed(self, input_ids: torch.LongTensor, segments: PackedSegments) -> CaptureOutput:
+        """The packed forward of a backend that `supports_packing`: attention under `packed_attention`, positions
+        from `segments.position_ids`."""
+        raise PackingUnsupported(f"the {self.backend} capture backend does not pack sequences")
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.LongTensor, lengths: torch.LongTensor, chunk_tokens: int | None = None,

@@ -42,6 +42,31 @@ def token_budget_batches(samples: Sequence[T], max_tokens: int, max_batch_size: 
     return batches
 
 
+def packed_batches(samples: Sequence[T], max_tokens: int, max_batch_size: int | None = None, *,
+                   length: Callable[[T], int] = len) -> list[list[T]]:
+    """Batches to lay end to end in one row (no padding): each batch's TOTAL length stays within `max_tokens`.
+
+    Samples longest first (ties in input order), filled in that order: the concatenated batches list the samples
+    in the same order as `token_budget_batches`' whatever the budget, so a shard's row order does not depend on
+    capture.batch_tokens or on packing. A sample longer than the budget forms a batch of its own.
+    """
+    if max_tokens < 1:
+        raise SpecgenError(f"the token budget must be positive, got max_tokens={max_tokens}")
+    if max_batch_size is not None and max_batch_size < 1:
+        raise SpecgenError(f"max_batch_size must be positive or unset, got {max_batch_size}")
+    batches: list[list[T]] = []
+    total = 0
+    for i in sorted(range(len(samples)), key=lambda i: (-length(samples[i]), i)):
+        cost = length(samples[i])
+        if batches and total + cost <= max_tokens and (max_batch_size is None or len(batches[-1]) < max_batch_size):
+            batches[-1].append(samples[i])
+            total += cost
+            continue
+        batches.append([samples[i]])
+        total = cost
+    return batches
+
+
 def padding_efficiency(batches: Sequence[Sequence[TokenizedSample]]) -> float:
     """Real tokens / padded tokens over all batches (1.0 means no padding)."""
     real = sum(len(sample) for batch in batches for sample in batch)

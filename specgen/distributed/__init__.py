@@ -1,8 +1,9 @@
 """Process-group glue for `accelerate launch` (torch.distributed): who am I, which work units are mine.
 
 Work is split into units numbered from the data (unit k = source rows [k*S, (k+1)*S)), never from the world size:
-a rank takes the units with `unit % world_size == rank` that are not finished yet. A run started on 4 processes can
-therefore be resumed on 2, and a rank that died can be re-run alone, without changing any shard's content.
+generate's ranks claim unfinished units as they get to them (`specgen.distributed.claims`), regenerate's take the units
+with `unit % world_size == rank` (`Workers.owns`). A run started on 4 processes can therefore be resumed on 2, and a
+rank that died can be re-run alone, without changing any shard's content.
 """
 
 import json
@@ -56,6 +57,19 @@ def init_workers(device: str = "auto") -> Workers:
         resolved = torch.device(device)
     return Workers(rank=state.process_index, world_size=state.num_processes,
                    local_rank=state.local_process_index, device=resolved)
+
+
+SLOW_RANK_ENV = "SPECGEN_TEST_SLOW_RANK"
+
+
+def slowdown_for_tests(rank: int) -> float:
+    """Seconds this rank sleeps before claiming each work unit: SPECGEN_TEST_SLOW_RANK=RANK:SECONDS slows one rank
+    down (a test hook for dynamic assignment; 0 when unset or naming another rank)."""
+    value = os.environ.get(SLOW_RANK_ENV)
+    if not value:
+        return 0.0
+    slow_rank, _, seconds = value.partition(":")
+    return float(seconds) if int(slow_rank) == rank else 0.0
 
 
 def report_error(message: str) -> None:

@@ -21,6 +21,7 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 
+from specgen.capture.packed import PackedSegments
 from specgen.capture.target import DTYPES, CaptureOutput, TargetCapture, load_target
 from specgen.errors import SpecgenError
 from specgen.runtime.dtype import resolve_model_dtype
@@ -81,9 +82,10 @@ class _CaptureForward(torch.nn.Module):
         self.target = capture.model
         self._capture = capture
 
-    def forward(self, input_ids: torch.LongTensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, input_ids: torch.LongTensor, segments: PackedSegments | None = None) -> tuple[torch.Tensor, ...]:
         # A tuple, not the CaptureOutput dataclass: DeepSpeed's module hooks look for tensors in the outputs.
-        out = self._capture._forward(input_ids)
+        out = (self._capture._forward(input_ids) if segments is None
+               else self._capture._forward_packed(input_ids, segments))
         return tuple(getattr(out, field.name) for field in fields(out))
 
 
@@ -104,6 +106,17 @@ class ZeroCapture(TargetCapture):
                  100 * held / total)
         # transformers reads ZeRO-3 settings through a weak reference to this object: keep it alive with the model.
         self._hf_deepspeed_config = hf_deepspeed_config
+        self._inner = inner
+
+    @property
+    def supports_packing(self) -> bool:
+        """The llama backend only: the generic one checks its first packed batch with an extra padded forward,
+        which the other processes would not run in lockstep."""
+        return self._inner.backend == "llama"
+
+    def _forward_packed(self, input_ids: torch.LongTensor, segments: PackedSegments) -> CaptureOutput:
+        self._anyone_has_a_batch(True)
+        return CaptureOutput(*self._module(input_ids, segments))
 
     def __call__(self, input_ids: torch.LongTensor, lengths: torch.LongTensor, chunk_tokens: int | None = None,
                  **kv_options) -> CaptureOutput:

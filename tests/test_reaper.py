@@ -14,7 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from specgen.runtime.reaper import descendants, start_time
+from specgen.runtime.reaper import INTERVAL_S, descendants, start_time
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,6 +72,7 @@ def start_job(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, dict[int, st
     assert wait_for(marker.exists), "the job did not start its helpers"
     # the setsid child's own child may still be starting
     assert wait_for(lambda: len(descendants([job.pid])) >= 4 + (mode == "guard"))
+    time.sleep(3 * INTERVAL_S)  # the watchdog records what runs at its next look (a later start may be missed)
     return job, descendants([job.pid])
 
 
@@ -129,6 +130,7 @@ def test_kill_9_of_the_launcher_ends_its_ranks_and_theirs(tmp_path):
     launcher = subprocess.Popen([sys.executable, str(script), "launcher", str(marker)], env=env(), cwd=tmp_path)
     assert wait_for(marker.exists)
     assert wait_for(lambda: len(descendants([launcher.pid])) >= 3)  # the rank, its watchdog, its child
+    time.sleep(3 * INTERVAL_S)
     recorded = descendants([launcher.pid])
     kill_9(launcher)
     try:

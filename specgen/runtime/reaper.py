@@ -131,7 +131,8 @@ def dataloader_worker_init(_worker_id: int) -> None:
 
 def _launcher_pid() -> int | None:
     """The launcher's pid when this process is a rank of torchrun / accelerate launch (its parent), else None."""
-    return os.getppid() if "LOCAL_RANK" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ else None
+    launched = "LOCAL_RANK" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ
+    return os.getppid() if launched and os.getppid() > 1 else None
 
 
 def guard_job() -> None:
@@ -142,9 +143,12 @@ def guard_job() -> None:
     launcher = _launcher_pid()
     argv = [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()),
             str(launcher) if launcher else "0"]
-    # No inherited stdout/stderr: a caller reading the job's output to its end must not wait for the watchdog.
-    _guard = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    # No inherited stdout/stderr: a caller reading the job's output to its end must not wait for the watchdog. Its
+    # stdout is a pipe that says when it watches: a job killed before that would not be noticed.
+    _guard = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                               start_new_session=True, close_fds=True)
+    with _guard.stdout:
+        _guard.stdout.read(1)  # b"" if it died: the job runs unguarded, as without it
     _guard_pid = os.getpid()
 
 
@@ -164,13 +168,23 @@ def watch(job: int, launcher: int = 0) -> None:
     if job_start is None:
         return
     recorded: dict[int, str] = {}
-    pidfds = [os.pidfd_open(pid) for pid in (job, launcher) if pid and start_time(pid) is not None]
+    pidfds, gone, ready = [], False, True
+    for pid in (job, launcher):
+        try:
+            if pid:
+                pidfds.append(os.pidfd_open(pid))
+        except ProcessLookupError:  # the launcher died before the job started this watchdog
+            gone = True
     while True:
         table = _table()
         recorded = {pid: start for pid, start in recorded.items() if table.get(pid, [None] * 20)[19] == start}
         recorded.update(descendants([job], table))
         recorded.pop(os.getpid(), None)
-        if _wait_gone(pidfds, INTERVAL_S):
+        if ready:  # watching from here on: tell the job
+            os.write(1, b"r")
+            os.close(1)
+            ready = False
+        if gone or _wait_gone(pidfds, INTERVAL_S):
             break
     stat = _stat(job)
     if stat is not None and stat[19] == job_start and stat[0] not in ("Z", "X"):  # the launcher went: end the rank

@@ -32,6 +32,13 @@ CPU-seconds column includes the engine's start and its worker processes.
 one; capture.prefill_chunk_tokens=2048 above 2k), each cell in its own process so its peak RSS is its own.
 
   python benchmarks/generate.py --scaling [--rows 16] [--lengths 512,2048,8192] [--scales 1,2,4]
+
+--padding prints instead, without running any model, the tokens each batching forwards per real token on glaive,
+alpaca and the reasoning set (all their rows unless --padding-rows is given), batched per work unit of --shard-size
+source rows as generate does: right-padded length buckets (capture.packing=false) against packed rows (the default),
+at --batch-tokens and 64 samples per batch.
+
+  python benchmarks/generate.py --padding [--batch-tokens 8192] [--shard-size 256]
 """
 
 import argparse
@@ -60,7 +67,7 @@ AUX_LAYERS = [1, 3, 4]
 
 
 def build_model(out_dir: Path, dtype: str = "bfloat16") -> None:
-    build_llama(out_dir, dtype, max_positions=16384)
+    build_llama(out_dir, dtype, max_positions=32768)
 
 
 def data_path(name: str) -> Path:
@@ -263,6 +270,32 @@ def scaling(args) -> None:
     print("\n".join(lines))
 
 
+def padding(args) -> None:
+    """Tokens forwarded per real token, padded vs packed, on every dataset (no model: batching alone)."""
+    from specgen.data.batching import packed_batches, token_budget_batches
+
+    lines = [f"padding: tokens forwarded / real tokens at batch_tokens={args.batch_tokens}, 64 samples per batch, "
+             f"max_length={args.max_length}, units of {args.shard_size} rows",
+             f"{'data':<11}{'rows':>6}{'samples':>9}{'real tokens':>13}{'padded':>9}{'packed':>9}{'forwards':>15}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(tmp)
+        for name in ("glaive", "alpaca", "reasoning"):
+            samples = tokenized_samples(Path(tmp), DATASETS[name], args.padding_rows, args.max_length)
+            real = sum(len(s) for s in samples)
+            units = [[s for s in samples if s.source_index // args.shard_size == unit]
+                     for unit in sorted({s.source_index // args.shard_size for s in samples})]
+            padded = [b for unit in units for b in token_budget_batches(unit, args.batch_tokens, 64)]
+            packed = [b for unit in units for b in packed_batches(unit, args.batch_tokens, 64)]
+            forwarded = sum(len(batch) * len(batch[0]) for batch in padded)
+            lines.append(f"{name:<11}{len({s.source_index for s in samples}):>6}{len(samples):>9}{real:>13,}"
+                         f"{forwarded / real:>9.3f}{sum(len(s) for b in packed for s in b) / real:>9.3f}"
+                         f"{f'{len(padded)} vs {len(packed)}':>15}")
+            print(lines[-1], flush=True)
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default="glaive", help="glaive, fastchat, or a dataset path")
@@ -279,6 +312,8 @@ def main() -> None:
     parser.add_argument("--lengths", default="512,2048,8192")
     parser.add_argument("--scales", default="1,2,4")
     parser.add_argument("--reuse", action=argparse.BooleanOptionalAction, default=True, help="scaling: reuse on/off")
+    parser.add_argument("--padding", action="store_true", help="padded vs packed tokens per real token, no model")
+    parser.add_argument("--padding-rows", type=int, default=None, help="--padding: rows per dataset (all)")
     parser.add_argument("--scaling-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
@@ -290,6 +325,8 @@ def main() -> None:
         sys.exit(f"{TOKENIZER} is missing: this benchmark needs ../shared (or SPECGEN_SHARED=/path/to/shared)")
     if args.scaling:
         return scaling(args)
+    if args.padding:
+        return padding(args)
     compare(args)
 
 

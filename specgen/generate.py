@@ -138,9 +138,9 @@ def count_top_tokens(counts: torch.Tensor | None, target: Target, last_hidden_st
     start = 0
     for b, mask in enumerate(loss_masks):
         mask = torch.as_tensor(mask, dtype=torch.bool)
-        row, start = (0, start) if packed else (b, 0)
-        needed[row, start: start + len(mask) - 1] = mask[1:]
-        start += len(mask) if packed else 0
+        needed[0 if packed else b, start: start + len(mask) - 1] = mask[1:]
+        if packed:
+            start += len(mask)
     with torch.no_grad():
         for rows, cols in position_chunks(needed, chunk_tokens):  # host indices: no device sync
             device = last_hidden_state.device

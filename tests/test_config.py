@@ -20,7 +20,10 @@ TINY = REPO / "specgen" / "assets" / "tiny-target"
 # What a user must add to each recipe for each stage it serves (the recipe's own `???` keys, and a draft).
 REQUIRED = {"demo": {"generate": [], "train": ["data.shards=/tmp/s"], "evaluate": ["draft.path=/tmp/d"]},
             "llama3.1-8b": {"generate": ["model.path=/m", "data.path=/d.jsonl"]},
-            "qwen3-8b": {"generate": ["model.path=/m", "data.path=/d.jsonl"]}}
+            "qwen3-8b": {"generate": ["model.path=/m", "data.path=/d.jsonl"]},
+            "smollm2-135m": {"regenerate": ["model.path=/m", "data.path=/d.jsonl"],
+                             "generate": ["model.path=/m", "data.path=/r"], "train": ["data.shards=/s"],
+                             "evaluate": ["model.path=/m", "draft.path=/c"], "export": ["draft.path=/c"]}}
 
 
 def test_every_recipe_is_tested():

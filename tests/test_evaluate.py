@@ -183,3 +183,39 @@ def test_evaluate_resumes_after_a_kill_with_the_same_result(target_dir, tmp_path
     assert lines[1] == json.loads(journal[1])  # prompt 0 was not decoded again
     with pytest.raises(SpecgenError, match="other settings"):
         evaluate(killed, "evaluate.num_draft_tokens=2")
+
+
+def test_evaluate_killed_mid_run_resumes_to_the_same_result(target_dir, tmp_path):
+    """A real SIGKILL once some prompts are journaled: the re-run keeps them (not decoded again) and its eval.json
+    equals an uninterrupted run's (wall-clock tokens/s aside)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from specgen.evaluate import PROGRESS, run
+    from tests.conftest import REPO
+
+    model = load(target_dir)
+    ckpt = tmp_path / "draft"
+    save_draft(random_draft(model, list(range(1024))), ckpt, {"target": {"path": str(target_dir)}, "aux_layers": AUX})
+    args = [f"draft.path={ckpt}", f"data.path={require_shared(DATASETS['mt_bench'])}", "evaluate.max_prompts=12",
+            "evaluate.max_new_tokens=48", "runtime.progress=false", "runtime.threads=1"]
+    whole = run(compose("evaluate", [*args, f"output.dir={tmp_path / 'whole'}"]))
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "specgen.evaluate", *args, f"output.dir={out}"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while (not (out / PROGRESS).exists() or len((out / PROGRESS).read_text().splitlines()) < 3) \
+            and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    journaled = (out / PROGRESS).read_text().splitlines()
+    assert 3 <= len(journaled) < 1 + 12 and not (out / "eval.json").exists(), "the kill must land mid-run"
+
+    resumed = run(compose("evaluate", [*args, f"output.dir={out}"]))
+
+    assert without_timings(resumed) | {"draft": None} == without_timings(whole) | {"draft": None}
+    assert (out / PROGRESS).read_text().splitlines()[:len(journaled) - 1] == journaled[:-1]  # kept, not redone

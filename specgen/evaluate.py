@@ -12,9 +12,17 @@ same prompt.
 Writes output.dir/eval.json (overall and per-category acceptance, per-position acceptance rates, accepted-token
 histogram, tokens/s of both decodings, matches_target_greedy) and output.dir/samples.jsonl (one line per prompt
 turn, with its prompt and output token ids, so another engine can replay exactly the same prompts).
+
+Long runs can be watched and interrupted: a progress bar counts prompts, and each finished prompt is appended to
+output.dir/progress.jsonl (flushed and fsync'd) under a first line naming the settings (draft and target files'
+checksums, prompts, K, max_new_tokens, turns, dtype). Re-running the same command in the same output.dir skips the
+prompts already there (a line cut by a kill is discarded) and ends with the same eval.json as an uninterrupted run
+(except the wall-clock tokens/s); other settings in that output.dir are refused.
 """
 
 import json
+import logging
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -28,10 +36,12 @@ from specgen.draft.model import aux_layers_of
 from specgen.draft.speculative import Generation, TargetRunner, greedy_generate, speculative_generate
 from specgen.errors import SpecgenError
 from specgen.runtime import load_tokenizer, resolve_device, resolve_model_dtype, set_threads, stop_token_ids
-from specgen.progress import format_table
-from specgen.store.commit import write_json_atomic, write_text_atomic
+from specgen.progress import Progress, format_table
+from specgen.store.commit import content_hash, write_json_atomic, write_text_atomic
 
+log = logging.getLogger(__name__)
 TURNS = ("all", "first")
+PROGRESS = "progress.jsonl"
 
 
 def run(cfg: DictConfig) -> dict:
@@ -61,22 +71,82 @@ def run(cfg: DictConfig) -> dict:
     tokenizer = load_tokenizer(cfg.tokenizer.path or target_path)
     eos_ids = set(stop_token_ids(model, tokenizer))
 
-    samples = []
-    for prompt in read_prompts(cfg.data.path, cfg.evaluate.max_prompts):
-        samples.extend(_evaluate_prompt(prompt, target, draft, tokenizer, cfg, eos_ids))
-    if not samples:
+    out_dir = Path(cfg.output.dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prompts = list(read_prompts(cfg.data.path, cfg.evaluate.max_prompts))
+    if not prompts:
         raise SpecgenError(f"data.path {cfg.data.path} gave no prompt to evaluate")
+    journal = PromptJournal(out_dir / PROGRESS, _settings(cfg, target_path, model))
+    progress = Progress(len(prompts), desc="evaluate", enabled=cfg.runtime.progress)
+    progress.bar.unit = "prompt"
+    samples = []
+    for index, prompt in enumerate(prompts):
+        done = journal.get(index, prompt.id)
+        if done is None:
+            done = _evaluate_prompt(prompt, target, draft, tokenizer, cfg, eos_ids)
+            journal.append(index, prompt.id, done)
+        samples.extend(done)
+        progress.update(1, sum(s["new_tokens"] for s in done))
+    progress.close()
+    if journal.resumed:
+        log.info("resumed: %d of %d prompts were already in %s", journal.resumed, len(prompts), journal.path)
     report = summarize(samples, num_draft_tokens=cfg.evaluate.num_draft_tokens)
     report.update({"draft": str(Path(cfg.draft.path).resolve()), "target": str(target_path),
                    "data": str(cfg.data.path), "max_new_tokens": cfg.evaluate.max_new_tokens,
                    "target_dtype": str(model.dtype).removeprefix("torch."), "target_dtype_reason": dtype.reason,
                    "device": str(device)})
-    out_dir = Path(cfg.output.dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out_dir / "eval.json", report)
     write_text_atomic(out_dir / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
     _print_report(report, out_dir)
     return report
+
+
+def _settings(cfg: DictConfig, target_path, model) -> dict:
+    """What decides a prompt's result: a journal written under other settings must not be resumed."""
+    def files(folder) -> dict:
+        folder = Path(folder)
+        return {p.name: content_hash(p) for p in sorted(folder.iterdir())
+                if p.suffix in (".safetensors", ".bin") or p.name == "config.json"}
+
+    return {"draft": files(cfg.draft.path), "target": files(target_path), "data": str(cfg.data.path),
+            "num_draft_tokens": cfg.evaluate.num_draft_tokens, "max_new_tokens": cfg.evaluate.max_new_tokens,
+            "turns": cfg.evaluate.turns, "dtype": str(model.dtype), "tokenizer": str(cfg.tokenizer.path)}
+
+
+class PromptJournal:
+    """output.dir/progress.jsonl: a settings line, then one line per finished prompt ({"index", "id", "samples"}),
+    each appended, flushed and fsync'd. Opening it keeps the complete lines of an earlier run with the same settings
+    (a last line cut by a kill is cut off the file) and refuses one with other settings."""
+
+    def __init__(self, path: Path, settings: dict):
+        self.path, self.done, self.resumed = path, {}, 0
+        settings = json.loads(json.dumps(settings))
+        if path.exists():
+            data = path.read_bytes()
+            complete = data[:data.rfind(b"\n") + 1]
+            lines = [json.loads(line) for line in complete.decode().splitlines()]
+            if lines and lines[0].get("settings") != settings:
+                raise SpecgenError(f"{path} holds prompts evaluated with other settings (draft, target, prompts, K, "
+                                   "max_new_tokens, turns or dtype): pass another output.dir, or delete it to start over")
+            self.done = {(line["index"], line["id"]): line["samples"] for line in lines[1:]}
+            self.resumed = len(self.done)
+            if len(complete) != len(data) or not lines:
+                with open(path, "r+b") as f:
+                    f.truncate(len(complete))
+        if not self.done and not (path.exists() and path.stat().st_size):
+            self._write({"settings": settings})
+
+    def get(self, index: int, prompt_id: str) -> list[dict] | None:
+        return self.done.get((index, prompt_id))
+
+    def append(self, index: int, prompt_id: str, samples: list[dict]) -> None:
+        self._write({"index": index, "id": prompt_id, "samples": samples})
+
+    def _write(self, line: dict) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def _evaluate_prompt(prompt: Prompt, target: TargetRunner, draft, tokenizer, cfg: DictConfig,

@@ -117,7 +117,9 @@ def build_regenerator(cfg: DictConfig, tokenizer, model) -> ConversationRegenera
     else:
         generator = Generator(model, tokenizer, sampling, batch_size=settings.batch_size,
                               batch_tokens=settings.batch_tokens)
-    policy = TurnPolicy(turns=settings.turns, on_truncated=settings.on_truncated, on_empty=settings.on_empty)
+    policy = TurnPolicy(turns=settings.turns, on_truncated=settings.on_truncated, on_empty=settings.on_empty,
+                        on_loop=settings.on_loop, loop_ngram=int(settings.loop_ngram),
+                        loop_repeats=int(settings.loop_repeats))
     return ConversationRegenerator(tokenizer, generator, policy, max_prompt_tokens=max_prompt_tokens,
                                    prompt_limit=prompt_limit,
                                    chat_template_kwargs=template_kwargs(cfg, tokenizer),
@@ -131,8 +133,9 @@ def generation_settings(cfg: DictConfig, regenerator: ConversationRegenerator) -
             "max_new_tokens": sampling.max_new_tokens, "seed": cfg.regenerate.seed, "seeding": SEEDING,
             "thinking": cfg.regenerate.thinking, "chat_template_kwargs": regenerator.chat_template_kwargs,
             "turns": regenerator.policy.turns, "on_truncated": regenerator.policy.on_truncated,
-            "on_empty": regenerator.policy.on_empty, "max_prompt_tokens": regenerator.max_prompt_tokens,
-            "prompt_limit": regenerator.prompt_limit,
+            "on_empty": regenerator.policy.on_empty, "on_loop": regenerator.policy.on_loop,
+            "loop_ngram": regenerator.policy.loop_ngram, "loop_repeats": regenerator.policy.loop_repeats,
+            "max_prompt_tokens": regenerator.max_prompt_tokens, "prompt_limit": regenerator.prompt_limit,
             "stop_token_ids": regenerator.generator.stop_token_ids, "split_reasoning": regenerator.split_reasoning,
             "backend": getattr(regenerator.generator, "backend",
                                "transformers generate: left-padded batches, KV cache")}
@@ -229,6 +232,8 @@ def print_summary(manifest: dict, out_dir: Path, new_tokens: int, rows: int, sec
         ("truncated turns", f"{stats['truncated_turns']:,} reached max_new_tokens={generation['max_new_tokens']} "
                             f"(on_truncated={generation['on_truncated']})"),
         ("empty turns", f"{stats['empty_turns']:,} (on_empty={generation['on_empty']})"),
+        ("looping turns", f"{stats.get('loop_turns', 0):,} repeat a run of {generation.get('loop_ngram')} tokens more "
+                          f"than {generation.get('loop_repeats')} times (on_loop={generation.get('on_loop')})"),
         ("dropped rows", table(stats["dropped"])),
         ("cut rows", f"{stats['cut_rows']:,} ended before a turn whose prompt exceeds {generation['max_prompt_tokens']:,} "
                      f"tokens ({generation.get('prompt_limit', 'data.max_length')}); rows whose first such prompt is "
@@ -285,11 +290,14 @@ def regenerate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease, sou
             progress.update(len(unit_records), 0)
             continue
         torch.manual_seed(unit_seed(cfg.regenerate.seed, unit))
-        result = regenerator.regenerate(unit_records, on_batch=lambda tokens: progress.update(0, tokens))
+        shown = []  # rows already counted on the bar as their chunk finished
+        result = regenerator.regenerate(unit_records, on_batch=lambda tokens: progress.update(0, tokens),
+                                        on_rows=lambda n: (shown.append(n), progress.update(n, 0)),
+                                        chunk_rows=None if cfg.engine.name == "vllm" else cfg.regenerate.batch_size)
         lease.check()
         write_part(out_dir, unit, result.rows,
                    {"stats": result.stats, "rejected": [rejection.to_json() for rejection in result.rejections]})
-        progress.update(len(unit_records), 0)
+        progress.update(len(unit_records) - sum(shown), 0)  # rows rejected before any generation
         new_tokens += result.stats["new_tokens"]
         rows += len(unit_records)
     seconds = progress.close()

@@ -169,6 +169,9 @@ KEYS: dict[str, Key] = {
     "regenerate.turns": _k("str", choices=("all", "last")),
     "regenerate.on_truncated": _k("str", choices=("keep", "drop")),
     "regenerate.on_empty": _k("str", choices=("keep", "drop")),
+    "regenerate.on_loop": _k("str", choices=("keep", "drop")),
+    "regenerate.loop_ngram": _k("int", min=POSITIVE),
+    "regenerate.loop_repeats": _k("int", min=0),
     "regenerate.batch_size": _k("int", min=POSITIVE),
     "regenerate.batch_tokens": _k("int", min=POSITIVE),
 }

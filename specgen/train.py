@@ -195,7 +195,8 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
     accelerator.end_training()
     if is_main:
         _print_summary(out_dir, data, draft, trainer.state, metrics, time.perf_counter() - start,
-                       "checkpoint" if resume or cfg.draft.init else cfg.draft.vocab_source)
+                       "checkpoint" if resume or cfg.draft.init else cfg.draft.vocab_source,
+                       None if resume or cfg.draft.init else cfg.draft.vocab_size)
     return metrics
 
 
@@ -432,8 +433,16 @@ def _autocast_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype | None
     return None
 
 
+def _vocab_clipped(asked: int | None, draft: Eagle3Draft) -> str:
+    """'; draft.vocab_size=N asked, only M distinct ...' when the vocabulary came out smaller than asked."""
+    got = draft.config.draft_vocab_size
+    if asked is None or got >= asked:
+        return ""
+    return f"; draft.vocab_size={asked:,} asked, only {got:,} distinct tokens seen, so {got:,} used"
+
+
 def _print_summary(out_dir: Path, data: TrainingData, draft: Eagle3Draft, state: TrainerState, metrics: dict,
-                   seconds: float, vocab_source: str = "data") -> None:
+                   seconds: float, vocab_source: str = "data", vocab_asked: int | None = None) -> None:
     accuracies = " ".join(f"{metrics[k]:.2f}" for k in sorted((k for k in metrics if k.startswith("acc_")),
                                                               key=lambda k: int(k.split("_")[1])))
     print(format_table([
@@ -442,7 +451,7 @@ def _print_summary(out_dir: Path, data: TrainingData, draft: Eagle3Draft, state:
         *([("target dtype", data.target_dtype)] if data.target_dtype else []),
         ("draft", f"{sum(p.numel() for p in draft.trainable_parameters()) / 1e6:.2f}M trainable parameters, "
                   f"vocabulary {draft.config.draft_vocab_size} of {draft.config.vocab_size}"),
-        ("vocabulary", f"from {vocab_source}: {vocab_coverage(draft, data)}"),
+        ("vocabulary", f"from {vocab_source}: {vocab_coverage(draft, data)}{_vocab_clipped(vocab_asked, draft)}"),
         ("steps", f"{state.step} ({state.tokens_seen:,} tokens, {seconds:.1f}s in this run)"),
         ("last loss", f"{metrics.get('loss', float('nan')):.4f}"),
         ("accuracy per TTT step", accuracies or "n/a"),

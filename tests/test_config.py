@@ -22,7 +22,10 @@ REQUIRED = {"demo": {"generate": [], "train": ["data.shards=/tmp/s"], "evaluate"
             "llama3.1-8b": {"generate": ["model.path=/m", "data.path=/d.jsonl"], "train": ["data.shards=/tmp/s"],
                             "evaluate": ["draft.path=/tmp/d"]},
             "qwen3-8b": {"generate": ["model.path=/m", "data.path=/d.jsonl"], "train": ["data.shards=/tmp/s"],
-                         "evaluate": ["draft.path=/tmp/d"]}}
+                         "evaluate": ["draft.path=/tmp/d"]},
+            "smollm2-135m": {"regenerate": ["model.path=/m", "data.path=/d.jsonl"],
+                             "generate": ["model.path=/m", "data.path=/r"], "train": ["data.shards=/s"],
+                             "evaluate": ["model.path=/m", "draft.path=/c"], "export": ["draft.path=/c"]}}
 
 
 def test_every_recipe_is_tested():

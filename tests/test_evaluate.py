@@ -146,3 +146,76 @@ def test_prompts_from_conversations_use_their_user_turns(tmp_path):
     prompts = list(read_prompts(str(path)))
     assert [(p.id, p.category, p.user_turns) for p in prompts] == [("a", "all", ["hi", "bye"]),
                                                                     ("7", "math", ["1+1?"])]
+
+
+def without_timings(report: dict) -> dict:
+    return {key: value for key, value in report.items() if key != "tokens_per_s"}
+
+
+def test_evaluate_resumes_after_a_kill_with_the_same_result(target_dir, tmp_path):
+    """Each prompt is journaled as it finishes; a re-run skips the finished ones (a line cut by the kill is dropped)
+    and writes the eval.json of an uninterrupted run; other settings in that output.dir are refused."""
+    from specgen.errors import SpecgenError
+    from specgen.evaluate import PROGRESS, run
+
+    model = load(target_dir)
+    ckpt = tmp_path / "draft"
+    save_draft(random_draft(model, list(range(1024))), ckpt, {"target": {"path": str(target_dir)}, "aux_layers": AUX})
+    mt_bench = require_shared(DATASETS["mt_bench"])
+
+    def evaluate(out, *extra):
+        return run(compose("evaluate", [f"draft.path={ckpt}", f"data.path={mt_bench}", "evaluate.max_prompts=3",
+                                        "evaluate.max_new_tokens=8", f"output.dir={out}", "runtime.progress=false",
+                                        "runtime.threads=1", *extra]))
+
+    whole = evaluate(tmp_path / "whole")
+    journal = (tmp_path / "whole" / PROGRESS).read_text().splitlines(keepends=True)
+    assert len(journal) == 1 + 3 and "settings" in json.loads(journal[0])
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / PROGRESS).write_text("".join(journal[:2]) + journal[2][:40])  # prompt 0 done, prompt 1 half-written
+
+    resumed = evaluate(killed)
+
+    assert without_timings(resumed) | {"draft": None} == without_timings(whole) | {"draft": None}
+    lines = [json.loads(line) for line in (killed / PROGRESS).read_text().splitlines()]
+    assert [line.get("index") for line in lines] == [None, 0, 1, 2]
+    assert lines[1] == json.loads(journal[1])  # prompt 0 was not decoded again
+    with pytest.raises(SpecgenError, match="other settings"):
+        evaluate(killed, "evaluate.num_draft_tokens=2")
+
+
+def test_evaluate_killed_mid_run_resumes_to_the_same_result(target_dir, tmp_path):
+    """A real SIGKILL once some prompts are journaled: the re-run keeps them (not decoded again) and its eval.json
+    equals an uninterrupted run's (wall-clock tokens/s aside)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from specgen.evaluate import PROGRESS, run
+    from tests.conftest import REPO
+
+    model = load(target_dir)
+    ckpt = tmp_path / "draft"
+    save_draft(random_draft(model, list(range(1024))), ckpt, {"target": {"path": str(target_dir)}, "aux_layers": AUX})
+    args = [f"draft.path={ckpt}", f"data.path={require_shared(DATASETS['mt_bench'])}", "evaluate.max_prompts=12",
+            "evaluate.max_new_tokens=48", "runtime.progress=false", "runtime.threads=1"]
+    whole = run(compose("evaluate", [*args, f"output.dir={tmp_path / 'whole'}"]))
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "specgen.evaluate", *args, f"output.dir={out}"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while (not (out / PROGRESS).exists() or len((out / PROGRESS).read_text().splitlines()) < 3) \
+            and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    journaled = (out / PROGRESS).read_text().splitlines()
+    assert 3 <= len(journaled) < 1 + 12 and not (out / "eval.json").exists(), "the kill must land mid-run"
+
+    resumed = run(compose("evaluate", [*args, f"output.dir={out}"]))
+
+    assert without_timings(resumed) | {"draft": None} == without_timings(whole) | {"draft": None}
+    assert (out / PROGRESS).read_text().splitlines()[:len(journaled) - 1] == journaled[:-1]  # kept, not redone

@@ -480,3 +480,55 @@ def test_the_engine_context_never_exceeds_the_model_positions():
         context_limits(compose("regenerate", [*common, "engine.max_model_len=4096"]), model)
     with pytest.raises(SpecgenError, match="^regenerate.max_new_tokens=2048 leaves no room for a prompt"):
         context_limits(compose("regenerate", [*common, "regenerate.max_new_tokens=2048"]), model)
+
+
+def test_the_loop_rule_counts_repeats_of_an_ngram():
+    from specgen.regen.turns import TurnPolicy
+
+    policy = TurnPolicy(loop_ngram=3, loop_repeats=2)
+    assert not policy.loops([1, 2, 3, 9, 1, 2, 3, 8])  # a 3-gram twice: allowed
+    assert policy.loops([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3])  # three times: a loop
+    assert policy.loops([7] * 5) and not policy.loops([7] * 4)  # overlapping runs of one token: 3 and 2 times
+    assert not policy.loops([1, 2])  # shorter than the n-gram
+    assert not TurnPolicy(loop_ngram=3, loop_repeats=0).loops([7] * 50)  # 0: the check is off
+    with pytest.raises(SpecgenError, match="loop_ngram"):
+        TurnPolicy(loop_ngram=0)
+
+
+def test_looping_turns_are_counted_and_dropped_by_policy(switch_model, tmp_path):
+    """The switch model writes '#' (one token) until it stops: a turn of 7+ '#' repeats the 4-gram '####' more
+    than 3 times, which the documented rule calls a loop (here truncated turns loop too)."""
+    conversations = [{"id": f"c{i}", "messages": [{"role": "user", "content": prompt},
+                                                  {"role": "assistant", "content": "ok"}]}
+                     for i, prompt in enumerate(SWITCH_PROMPTS)]
+    source = write_source(tmp_path / "source.jsonl", conversations)
+    rule = ["regenerate.max_new_tokens=16", "regenerate.loop_ngram=4", "regenerate.loop_repeats=3"]
+
+    kept = regenerate(switch_model, source, tmp_path / "keep", *rule, "regenerate.on_loop=keep",
+                      "regenerate.on_empty=keep")
+    looping = {row["id"] for row in output_rows(tmp_path / "keep") if "#" * 7 in row["messages"][-1]["content"]}
+    assert looping and len(looping) < len(conversations), "the data must mix looping and other turns"
+    assert kept["stats"]["loop_turns"] == len(looping) and kept["stats"]["dropped"] == {}
+
+    dropped = regenerate(switch_model, source, tmp_path / "drop", *rule, "regenerate.on_empty=keep")
+    assert {r["sample_id"]: r["reason"] for r in rejected_rows(tmp_path / "drop")} == dict.fromkeys(looping, "loop")
+    assert dropped["stats"]["dropped"] == {"loop": len(looping)} and dropped["stats"]["loop_turns"] == len(looping)
+
+
+def test_progress_moves_per_row_chunk_and_per_decoding_step(chat_model, tmp_path):
+    """regenerate reports rows as each chunk of regenerate.batch_size rows finishes, and tokens after every
+    decoding step (so a long batch is visibly alive); the reported tokens add up to the generated ones."""
+    from specgen.data.sources import iter_records
+    from specgen.regenerate import build_regenerator, load_model
+    from specgen.runtime import load_tokenizer
+
+    source = write_source(tmp_path / "source.jsonl", CONVERSATIONS)
+    cfg = compose("regenerate", [f"model.path={chat_model}", f"data.path={source}", "regenerate.temperature=0",
+                                 "regenerate.max_new_tokens=5", "regenerate.batch_size=2", "runtime.device=cpu"])
+    regenerator = build_regenerator(cfg, load_tokenizer(cfg.tokenizer.path), load_model(cfg, torch.device("cpu")))
+    rows, tokens = [], []
+
+    result = regenerator.regenerate(iter_records(source), on_batch=tokens.append, on_rows=rows.append, chunk_rows=2)
+
+    assert rows == [2, 2, 1]
+    assert sum(tokens) == result.stats["new_tokens"] and len(tokens) > result.stats["regenerated_turns"] / 2

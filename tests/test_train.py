@@ -386,3 +386,12 @@ def test_the_acceptance_probe_needs_its_prompts_before_anything_loads(tmp_path):
         train([f"output.dir={tmp_path / 'x'}", "train.eval_every=5"])
     with pytest.raises(SpecgenError, match="train.eval_prompts=.*no such file"):
         train([f"output.dir={tmp_path / 'y'}", "train.eval_every=5", f"train.eval_prompts={tmp_path / 'none'}"])
+
+
+def test_the_summary_says_when_the_draft_vocabulary_is_smaller_than_asked(shards, tmp_path, capsys):
+    """draft.vocab_size larger than the distinct trained tokens is clipped, and the summary says so (not only a log)."""
+    train([f"data.shards={shards}", f"output.dir={tmp_path / 'ckpt'}", "train.max_steps=1", "draft.vocab_size=8192"])
+
+    used = json.loads((tmp_path / "ckpt" / "config.json").read_text())["draft_vocab_size"]
+    assert used < 8192
+    assert f"draft.vocab_size=8,192 asked, only {used:,} distinct tokens seen, so {used:,} used" in capsys.readouterr().out

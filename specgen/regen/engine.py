@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 
 from specgen.data.batching import token_budget_batches
 from specgen.errors import SpecgenError
@@ -100,29 +100,29 @@ class Generator:
 
     def complete(self, prompts: Sequence[list[int]],
                  on_batch: Callable[[int], None] | None = None) -> list[Completion]:
-        """One completion per prompt, in the order given; `on_batch(tokens generated)` after each batch."""
+        """One completion per prompt, in the order given; `on_batch(tokens generated)` as they are generated (after
+        every decoding step: the tokens of that step, stop tokens included), so a progress bar moves within a batch."""
         requests = [_Request(i, prompt, len(prompt) + self.sampling.max_new_tokens)
                     for i, prompt in enumerate(prompts)]
         completions: list[Completion | None] = [None] * len(requests)
         for batch in token_budget_batches(requests, self.batch_tokens, self.batch_size,
                                           length=lambda request: request.capacity):
-            done = self._generate([request.prompt for request in batch])
+            done = self._generate([request.prompt for request in batch], on_batch)
             for request, completion in zip(batch, done):
                 completions[request.index] = completion
-            if on_batch is not None:
-                on_batch(sum(completion.num_generated for completion in done))
         return completions
 
     @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]]) -> list[Completion]:
+    def _generate(self, prompts: list[list[int]], on_step: Callable[[int], None] | None = None) -> list[Completion]:
         width = max(len(prompt) for prompt in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for row, prompt in enumerate(prompts):
             input_ids[row, width - len(prompt):] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt):] = 1
+        criteria = StoppingCriteriaList([_StepCounter(self.stop_token_ids, len(prompts), on_step)] if on_step else [])
         output = self.model.generate(input_ids=input_ids.to(self.device),
-                                     attention_mask=attention_mask.to(self.device))
+                                     attention_mask=attention_mask.to(self.device), stopping_criteria=criteria)
         return [self._completion(row) for row in output[:, width:].tolist()]
 
     def _completion(self, tokens: list[int]) -> Completion:
@@ -131,3 +131,19 @@ class Generator:
             if token in self.stop_token_ids:
                 return Completion(tokens[:position], finished=True)
         return Completion(tokens, finished=False)
+
+
+class _StepCounter(StoppingCriteria):
+    """Never stops anything: after each decoding step it reports how many rows produced a token in that step (rows
+    not finished before it; a stop token counts, as in `Completion.num_generated`)."""
+
+    def __init__(self, stop_token_ids: list[int], rows: int, report: Callable[[int], None]):
+        self.stops = torch.tensor(stop_token_ids)
+        self.finished = torch.zeros(rows, dtype=torch.bool)
+        self.report = report
+
+    def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
+        last = input_ids[:, -1].cpu()
+        self.report(int((~self.finished).sum()))
+        self.finished |= torch.isin(last, self.stops)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

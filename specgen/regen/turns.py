@@ -10,7 +10,9 @@ tools are kept verbatim: the tool turns that follow hold the results of exactly 
 would leave the conversation incoherent.
 
 Nothing is lost silently. A generation that reaches max_new_tokens is *truncated*, one whose answer (content,
-reasoning aside) is blank is *empty*; both are counted and the row is kept or dropped by policy. A row whose
+reasoning aside) is blank is *empty*, one that *loops* repeats itself: some run of `loop_ngram` consecutive
+tokens occurs more than `loop_repeats` times in the turn (greedy decoding of a small model falls into such
+cycles; `loop_repeats=0` switches the check off). All three are counted and the row is kept or dropped by policy. A row whose
 prompt for a turn is longer than `max_prompt_tokens` has no room for that turn in training (generate truncates at
 the same length), so it is cut before that turn and counted, or rejected when no turn was regenerated yet.
 Rows that leave the output become `Rejection`s (row index, id, reason) for `rejected.jsonl`.
@@ -33,10 +35,10 @@ from specgen.regen.reply import assistant_reply, renders_reasoning
 TURNS = ("all", "last")
 POLICIES = ("keep", "drop")
 # Reasons a row is dropped by policy rather than rejected as bad input; the manifest counts them apart.
-POLICY_REASONS = ("truncated", "empty")
+POLICY_REASONS = ("truncated", "empty", "loop")
 # The per-unit counts, summed over units into the manifest.
-COUNTS = ("source_rows", "rows", "regenerated_turns", "new_tokens", "truncated_turns", "empty_turns", "cut_rows",
-          "kept_tool_call_turns")
+COUNTS = ("source_rows", "rows", "regenerated_turns", "new_tokens", "truncated_turns", "empty_turns", "loop_turns",
+          "cut_rows", "kept_tool_call_turns")
 
 
 class _Prompt(NamedTuple):
@@ -49,12 +51,27 @@ class TurnPolicy:
     turns: str = "all"          # all | last: which assistant turns are regenerated
     on_truncated: str = "keep"  # keep | drop a row with a turn that reached max_new_tokens
     on_empty: str = "drop"      # keep | drop a row with a turn whose answer is blank
+    on_loop: str = "drop"       # keep | drop a row with a turn that loops (see `loops`)
+    loop_ngram: int = 8         # a turn loops when a run of this many tokens ...
+    loop_repeats: int = 3       # ... occurs more than this many times in it (0: never)
 
     def __post_init__(self) -> None:
         for key, value, allowed in (("turns", self.turns, TURNS), ("on_truncated", self.on_truncated, POLICIES),
-                                    ("on_empty", self.on_empty, POLICIES)):
+                                    ("on_empty", self.on_empty, POLICIES), ("on_loop", self.on_loop, POLICIES)):
             if value not in allowed:
                 raise SpecgenError(f"regenerate.{key} must be one of {list(allowed)}, got {value!r}")
+        if self.loop_ngram < 1 or self.loop_repeats < 0:
+            raise SpecgenError(f"regenerate.loop_ngram must be >= 1 and regenerate.loop_repeats >= 0, got "
+                               f"{self.loop_ngram} and {self.loop_repeats}")
+
+    def loops(self, tokens: list[int]) -> bool:
+        """True when some run of `loop_ngram` consecutive tokens occurs more than `loop_repeats` times in `tokens`
+        (overlapping occurrences count: a one-token cycle repeats every n-gram of itself)."""
+        if not self.loop_repeats:
+            return False
+        n = self.loop_ngram
+        counts = Counter(tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1))
+        return bool(counts) and max(counts.values()) > self.loop_repeats
 
 
 @dataclass
@@ -116,9 +133,13 @@ class ConversationRegenerator:
         self.on_bad_row = on_bad_row
         self.split_reasoning = renders_reasoning(tokenizer)
 
-    def regenerate(self, records: Iterable[SourceRecord],
-                   on_batch: Callable[[int], None] | None = None) -> UnitResult:
-        """Regenerate a group of source rows (one work unit); output rows keep the source order."""
+    def regenerate(self, records: Iterable[SourceRecord], on_batch: Callable[[int], None] | None = None, *,
+                   on_rows: Callable[[int], None] | None = None, chunk_rows: int | None = None) -> UnitResult:
+        """Regenerate a group of source rows (one work unit); output rows keep the source order.
+
+        chunk_rows: regenerate every turn of `chunk_rows` rows before starting the next ones (None: all at once), and
+        call `on_rows(n)` as each chunk's n rows finish, so progress is reported per row, not per unit.
+        """
         stats = Counter()
         rows: list[_Row] = []
         rejections: list[Rejection] = []
@@ -129,11 +150,16 @@ class ConversationRegenerator:
             except RowError as error:
                 rejections.append(self._rejection(source.index, _source_id(source), error))
 
-        while waiting := [row for row in rows if row.waiting]:
-            ready = [(row, prompt) for row in waiting if (prompt := self._prompt(row, stats)) is not None]
-            completions = self.generator.complete([prompt.ids for _, prompt in ready], on_batch)
-            for (row, prompt), completion in zip(ready, completions):
-                self._accept(row, prompt.text, completion, stats)
+        chunk = chunk_rows or max(len(rows), 1)
+        for start in range(0, len(rows), chunk):
+            group = rows[start:start + chunk]
+            while waiting := [row for row in group if row.waiting]:
+                ready = [(row, prompt) for row in waiting if (prompt := self._prompt(row, stats)) is not None]
+                completions = self.generator.complete([prompt.ids for _, prompt in ready], on_batch)
+                for (row, prompt), completion in zip(ready, completions):
+                    self._accept(row, prompt.text, completion, stats)
+            if on_rows is not None:
+                on_rows(len(group))
 
         kept = [row for row in rows if row.rejection is None]
         rejections += [row.rejection for row in rows if row.rejection is not None]
@@ -202,6 +228,12 @@ class ConversationRegenerator:
             if self.policy.on_truncated == "drop":
                 row.leave("truncated", f"the assistant turn at message {position} reached regenerate.max_new_tokens="
                                        f"{self.generator.sampling.max_new_tokens} (regenerate.on_truncated=drop)")
+        if self.policy.loops(completion.token_ids):
+            stats["loop_turns"] += 1
+            if self.policy.on_loop == "drop":
+                row.leave("loop", f"the assistant turn at message {position} repeats a run of "
+                                  f"{self.policy.loop_ngram} tokens more than {self.policy.loop_repeats} times "
+                                  "(regenerate.on_loop=drop)")
         if not message["content"].strip():
             stats["empty_turns"] += 1
             if self.policy.on_empty == "drop":

@@ -148,6 +148,9 @@ def _check_exportable(config: transformers.PretrainedConfig, fmt: str) -> None:
     if fmt == "speculators" and getattr(config, "parallel_drafting", False) and getattr(config, "fc_norm", False):
         raise SpecgenError("vLLM 0.32 reads a speculators P-EAGLE config without fc_norm (update_peagle drops it); "
                            "export this P-EAGLE draft with fc_norm as vllm")
+    if fmt == "speculators" and getattr(config, "fc_norm", False) and getattr(config, "norm_before_fc", False):
+        raise SpecgenError("speculators 0.9 refuses fc_norm together with norm_before_fc (vLLM runs both); export "
+                           "this draft as vllm, or train it with one of draft.fc_norm / draft.norm_before_fc")
     flags = [flag for flag in EAGLE31_FLAGS if getattr(config, flag, False)]
     if fmt in ("sglang", "specforge") and flags:
         raise SpecgenError(f"the draft uses EAGLE-3.1's {', '.join(flags)}, which the {fmt} layout does not carry as "

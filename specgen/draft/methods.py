@@ -13,6 +13,14 @@ A method module exposes `METHODS: dict[str, DraftMethod]`; registering a new met
 The trainer, `specgen.evaluate`, `specgen.export` and `load_draft` only call what `DraftMethod` lists, so a new
 method (DSpark, MTP fine-tuning) is a new module, not a fork of the trainer. Every draft model a method builds
 carries `method_name` (the name saved into its checkpoint).
+
+What the stages read off a draft model besides the methods (so a new model class provides them too):
+`method_name`; `config` with `vocab_size`, `draft_vocab_size`, `target_hidden_size`, the aux layers as
+`specgen.draft.model.aux_layers_of(config)` reads them (`eagle_config.eagle_aux_hidden_state_layer_ids`, vLLM's
+ids) and, on loaded drafts, `config.specgen` (the checkpoint's "specgen" section); buffers `d2t` / `t2d` (the
+vocabulary mapping the target head is restricted to); `lm_head` (draft.freeze_lm_head); `trainable_parameters()`;
+and `state_dict()` names that `export` understands. The trainer computes the target distribution at the positions
+`specgen.draft.ttt.target_positions_needed` marks and hands it to the objective as (target_probs, target_argmax).
 """
 
 import importlib

@@ -1,13 +1,14 @@
 """Acceptance length per draft method (eagle3, eagle3.1, p-eagle) at several K on the demo recipe's shards.
 
     python benchmarks/draft_methods.py [--shards DIR] [--seeds 0 1 2] [--ks 3 5 7] [--ttt-length 7]
-        [--methods eagle3 eagle3.1 p-eagle] [--jobs 3] [--out DIR]
+        [--methods eagle3 eagle3.1 p-eagle] [--jobs 3] [--out DIR] [--set KEY=VALUE ...]
 
 Every (method, seed) trains the demo recipe (`recipe=demo draft.method=M train.ttt_length=L runtime.seed=S`, one
 thread; --jobs at once) on the same shards, then decodes the 79 held-out demo turns greedily at each K
 (`benchmarks/draft_quality.acceptance`: specgen.draft.speculative, which drafts each method as vLLM does).
 Acceptance length = 1 + accepted draft tokens / verification rounds (vLLM's counting). train.ttt_length is the
-depth trained (TTT steps for EAGLE, parallel slots for P-EAGLE): give it the largest K. Prints one table.
+depth trained (TTT steps for EAGLE, parallel slots for P-EAGLE): give it the largest K. --set adds train overrides
+to every run (e.g. train.max_steps=200 for a short first number). Prints one table.
 """
 
 import argparse
@@ -30,7 +31,7 @@ def train_and_evaluate(method: str, seed: int, args) -> dict:
     subprocess.run([sys.executable, "-m", "specgen.train", "recipe=demo", f"data.shards={args.shards}",
                     f"output.dir={ckpt}", f"draft.method={method}", f"train.ttt_length={args.ttt_length}",
                     f"runtime.seed={seed}", "runtime.threads=1", "runtime.progress=false", "train.tensorboard=false",
-                    "train.eval_every=0", "output.overwrite=true"],
+                    "train.eval_every=0", "output.overwrite=true", *args.set],
                    check=True, env=_python_env(), cwd=REPO, stdout=subprocess.DEVNULL)
     result = {"method": method, "seed": seed, "train_seconds": time.perf_counter() - start, "acceptance": {}}
     for k in args.ks:
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["eagle3", "eagle3.1", "p-eagle"])
     parser.add_argument("--jobs", type=int, default=3)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     parser.add_argument("--evaluate", nargs=2, help=argparse.SUPPRESS)  # internal: CKPT K -> JSON
     args = parser.parse_args()
     if args.evaluate:

@@ -60,7 +60,7 @@ def run(cfg: DictConfig) -> dict:
                         attn_implementation=cfg.model.attn_implementation)
     embedding = model.get_input_embeddings().weight.detach().float()
     draft = load_draft(cfg.draft.path, embedding=embedding, target_config=model.config,
-                       foreign_ids=cfg.draft.foreign_aux_ids).to(device).eval()
+                       foreign_ids=cfg.draft.foreign_aux_ids, method=cfg.draft.method).to(device).eval()
     aux_layers = aux_layers_of(draft.config)
     num_layers = model.config.get_text_config().num_hidden_layers
     if max(aux_layers) >= num_layers or draft.config.target_hidden_size != embedding.shape[1]:

@@ -13,7 +13,7 @@ import transformers
 from omegaconf import DictConfig
 
 from specgen.config import stage_main
-from specgen.draft import formats
+from specgen.draft import formats, methods
 from specgen.draft.checkpoint import load_draft, read_raw_config, specgen_info
 from specgen.draft.model import aux_layers_of
 from specgen.errors import SpecgenError
@@ -42,7 +42,8 @@ def run(cfg: DictConfig) -> dict:
     info = specgen_info(read_raw_config(cfg.draft.path))
     target = cfg.model.path or info.get("target", {}).get("path")
     target_config = transformers.AutoConfig.from_pretrained(target) if target and Path(target).is_dir() else None
-    draft = load_draft(cfg.draft.path, target_config=target_config, foreign_ids=cfg.draft.foreign_aux_ids)
+    draft = load_draft(cfg.draft.path, target_config=target_config, foreign_ids=cfg.draft.foreign_aux_ids,
+                       method=cfg.draft.method)
     tensors = {name: tensor for name, tensor in draft.state_dict().items() if name != "embed_tokens.weight"}
     if cfg.export.dtype is not None:
         dtype = DTYPES[cfg.export.dtype]
@@ -50,8 +51,9 @@ def run(cfg: DictConfig) -> dict:
     record = {**draft.config.specgen, "exported_from": str(Path(cfg.draft.path).resolve())}
     if target:
         record["target"] = {**record.get("target", {}), "path": str(target)}
-    config, tensors = formats.export_files(draft.config, tensors, fmt, info=record,
-                                           speculative_tokens=cfg.export.speculative_tokens, verifier=target)
+    config, tensors = methods.of_model(draft).export(draft.config, tensors, fmt, info=record,
+                                                     speculative_tokens=cfg.export.speculative_tokens,
+                                                     verifier=target)
     with hold_lease(out_dir, stage="export"):  # another job writing output.dir is refused in one line
         formats.write_files(out_dir, config, tensors)
     summary = {"format": fmt, "output": str(out_dir), "aux_layers": aux_layers_of(draft.config),

@@ -37,11 +37,11 @@ from specgen.draft.checkpoint import (
     load_draft,
     read_draft_config,
     save_draft,
-    set_embedding,
     specgen_info,
 )
 from specgen.draft.distributed import DDPBackend, DeepSpeedBackend
-from specgen.draft.model import Eagle3Draft, aux_layers_of, draft_config
+from specgen.draft import methods
+from specgen.draft.model import Eagle3Draft, aux_layers_of
 from specgen.draft.offline import OfflineBatches
 from specgen.draft.online import OnlineBatches, tokenize_source
 from specgen.draft.optim import build_optimizer
@@ -49,7 +49,7 @@ from specgen.draft.probe import AcceptanceProbe
 from specgen.draft.speculative import TargetRunner
 from specgen.draft.target_head import TargetHead, load_target_weights
 from specgen.draft.trainer import METRICS, DraftTrainer, LoopSettings, TrainerState, lr_schedule
-from specgen.draft.ttt import MASK_SHIFTS, TTTObjective
+from specgen.draft.ttt import MASK_SHIFTS
 from specgen.draft.vocab import (
     TARGET_TOKEN_COUNTS,
     TOKEN_COUNTS,
@@ -145,8 +145,8 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
     torch.manual_seed(cfg.runtime.seed)
     draft = build_draft(cfg, data, resume_from).to(device)
     mask_shift = _mask_shift(cfg)
-    objective = TTTObjective(draft, ttt_length=cfg.train.ttt_length, decay=cfg.train.ttt_decay,
-                             mask_shift=mask_shift, drop_out_of_vocab=cfg.train.out_of_vocab == "drop")
+    method, train_cfg = methods.of_model(draft), {**to_container(cfg.train), "seed": cfg.runtime.seed}
+    objective = method.objective(draft, train_cfg=train_cfg, mask_shift=mask_shift)
     head = TargetHead(data.lm_head.to(device), _mapping_of(draft), chunk_tokens=cfg.capture.lm_head_chunk_tokens)
 
     steps_per_epoch = data.source.batches_per_epoch() // cfg.train.grad_accum
@@ -179,7 +179,8 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
                               ttt_decay=cfg.train.ttt_decay, log_every=cfg.train.log_every,
                               save_every=cfg.train.save_every, autocast_dtype=_autocast_dtype(cfg, device),
                               mask_shift=mask_shift, eval_every=cfg.train.eval_every,
-                              keep_checkpoints=cfg.train.keep_checkpoints),
+                              keep_checkpoints=cfg.train.keep_checkpoints,
+                              metrics=lambda stats: method.metrics(stats, train_cfg)),
         log_tracker=accelerator.log if cfg.train.tensorboard else None, progress=cfg.runtime.progress,
         vocab_source="checkpoint" if resume or cfg.draft.init else cfg.draft.vocab_source,
         probe=(lambda: probe(draft)) if probe is not None else None)
@@ -340,7 +341,7 @@ def build_draft(cfg: DictConfig, data: TrainingData, resume_from: Path | None) -
     start_from = resume_from or cfg.draft.init
     if start_from is not None:
         draft = load_draft(start_from, embedding=data.embedding, target_config=data.target_config,
-                           foreign_ids=cfg.draft.foreign_aux_ids)
+                           foreign_ids=cfg.draft.foreign_aux_ids, method=cfg.draft.method)
         recorded = aux_layers_of(draft.config)
         if recorded != data.aux_layers:
             raise SpecgenError(f"the draft at {start_from} reads aux layers {recorded} (0-based layer outputs) but "
@@ -356,21 +357,15 @@ def build_draft(cfg: DictConfig, data: TrainingData, resume_from: Path | None) -
 
 
 def _fresh_draft(cfg: DictConfig, data: TrainingData) -> Eagle3Draft:
-    """A new draft: vocabulary from the token counts, Llama initialisation, LM head per draft.init_lm_head."""
+    """A new draft of draft.method (null: eagle3): vocabulary from the token counts, then the method's own
+    initialisation (`specgen.draft.methods.DraftMethod.new_draft`)."""
     vocab_size = data.target_config.get_text_config().vocab_size
     mapping = build_vocab_mapping(vocab_counts(cfg, data), vocab_size, cfg.draft.vocab_size,
                                   counted={"target": "the target's top tokens at trainable positions"}.get(
                                       cfg.draft.vocab_source, "the trained tokens"))
-    config = draft_config(data.target_config, aux_layers=data.aux_layers,
-                          draft_vocab_size=mapping.draft_vocab_size, overrides=to_container(cfg.draft.overrides),
-                          norm_before_residual=cfg.draft.norm_before_residual)
-    draft = Eagle3Draft(config)
-    draft.d2t.copy_(mapping.d2t)
-    draft.t2d.copy_(mapping.t2d)
-    set_embedding(draft, data.embedding)
-    if cfg.draft.init_lm_head == "target":
-        draft.init_lm_head_from_target(data.lm_head)
-    return draft
+    method = methods.get(cfg.draft.method or methods.DEFAULT)
+    return method.new_draft(data.target_config, aux_layers=data.aux_layers, mapping=mapping,
+                            embedding=data.embedding, lm_head=data.lm_head, draft_cfg=to_container(cfg.draft))
 
 
 def vocab_counts(cfg: DictConfig, data: TrainingData) -> dict[int, int]:
@@ -404,7 +399,7 @@ def _mapping_of(draft: Eagle3Draft) -> VocabMapping:
     return VocabMapping.from_d2t(draft.d2t, draft.config.vocab_size)
 
 
-def make_backend(cfg: DictConfig, objective: TTTObjective, optimizer, scheduler, device: torch.device,
+def make_backend(cfg: DictConfig, objective: torch.nn.Module, optimizer, scheduler, device: torch.device,
                  world_size: int) -> DDPBackend | DeepSpeedBackend:
     common = dict(device=device, world_size=world_size, grad_accum=cfg.train.grad_accum,
                   grad_clip=cfg.train.grad_clip)

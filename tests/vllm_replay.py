@@ -1,6 +1,7 @@
 """Replay specgen.evaluate's prompts in vLLM (its CPU build), greedy, and report what vLLM itself counted.
 
-    python tests/vllm_replay.py SAMPLES_JSONL OUT_JSON --target DIR [--draft DIR] [--k 4] [--max-new-tokens N]
+    python tests/vllm_replay.py SAMPLES_JSONL OUT_JSON --target DIR [--draft DIR [--parallel-drafting]] [--k 4]
+                                [--max-new-tokens N]
     python tests/vllm_replay.py SAMPLES_JSONL OUT_JSON --speculators DIR      # no method flag: vLLM reads the
                                                                              # speculators_config in DIR/config.json
 SAMPLES_JSONL is specgen.evaluate's samples.jsonl (prompt_token_ids per turn). OUT_JSON receives the output token ids
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, required=True)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--parallel-drafting", action="store_true")  # P-EAGLE drafts: all K in one forward
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -51,6 +53,8 @@ def main() -> None:
     else:
         spec = ({"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.k}
                 if args.draft else None)
+        if spec and args.parallel_drafting:
+            spec["parallel_drafting"] = True
         llm = LLM(model=args.target, speculative_config=spec, **options)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=s["prompt_token_ids"]) for s in samples], params)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from specgen.draft import formats
+from specgen.draft import formats, methods
 from specgen.draft.formats import CONFIG, WEIGHTS
 from specgen.draft.model import Eagle3Draft
 from specgen.errors import SpecgenError
@@ -46,9 +46,10 @@ _NOT_STORED = ("embed_tokens.weight",)
 
 
 def save_draft(draft: Eagle3Draft, out_dir: str | Path, specgen_info: dict) -> None:
-    """Write config.json and model.safetensors in the vllm format (each atomically)."""
+    """Write config.json and model.safetensors in the vllm format (each atomically), through the draft's method
+    (`specgen.draft.methods`), which records its name as config.json's `specgen.method`."""
     tensors = {name: tensor for name, tensor in draft.state_dict().items() if name not in _NOT_STORED}
-    config, tensors = formats.export_files(draft.config, tensors, "vllm", info=specgen_info)
+    config, tensors = methods.of_model(draft).export(draft.config, tensors, "vllm", info=specgen_info)
     formats.write_files(out_dir, config, tensors)
 
 
@@ -75,15 +76,23 @@ def read_draft_config(path: str | Path, *, target_config: transformers.Pretraine
 
 def load_draft(path: str | Path, embedding: torch.Tensor | None = None, *,
                target_config: transformers.PretrainedConfig | None = None,
-               foreign_ids: str = "layer_outputs") -> Eagle3Draft:
-    """Load a draft checkpoint; `embedding` is the target's input embedding (not stored in the checkpoint)."""
+               foreign_ids: str = "layer_outputs", method: str | None = None) -> Eagle3Draft:
+    """Load a draft checkpoint through its method (`specgen.draft.methods`); `embedding` is the target's input
+    embedding (not stored in the checkpoint). `method` (draft.method), when set, must be the checkpoint's."""
     folder = Path(path)
+    chosen = methods.resolve(method, read_raw_config(folder), folder)
+    return chosen.load(folder, embedding=embedding, target_config=target_config, foreign_ids=foreign_ids)
+
+
+def load_eagle_family(folder: Path, model_class: type, *, embedding: torch.Tensor | None,
+                      target_config: transformers.PretrainedConfig | None, foreign_ids: str) -> Eagle3Draft:
+    """An EAGLE-3 layout draft (eagle3, eagle3.1, p-eagle) as `model_class`, weights checked against checksums."""
     config = read_draft_config(folder, target_config=target_config, foreign_ids=foreign_ids)
     recorded = (read_raw_config(folder).get("specgen") or {}).get("checksums") or {}
     damaged = checksum_problems({WEIGHTS: folder / WEIGHTS}, recorded)
     if damaged:
         raise SpecgenError(f"{folder}: {damaged[0]}; restore the checkpoint from a copy or train it again")
-    draft = Eagle3Draft(config)
+    draft = model_class(config)
     state = formats.canonical_tensors(formats.read_tensors(folder), config)
     missing, unexpected = draft.load_state_dict(state, strict=False)
     missing = [name for name in missing if name not in _NOT_STORED]

@@ -142,6 +142,20 @@ def _check_exportable(config: transformers.PretrainedConfig, fmt: str) -> None:
     if fmt == "specforge" and k != 3:
         raise SpecgenError(f"the draft reads {k} aux layers but SpecForge's LlamaForCausalLMEagle3 hard-codes 3 "
                            "(fc = 3 x hidden); export it as sglang or vllm, or train with 3 capture.aux_layers")
+    if fmt in ("sglang", "specforge") and getattr(config, "parallel_drafting", False):
+        raise SpecgenError(f"the draft is a P-EAGLE (parallel drafting) draft, which the {fmt} EAGLE-3 layout does "
+                           "not carry; export it as vllm or speculators")
+    if fmt == "speculators" and getattr(config, "parallel_drafting", False) and getattr(config, "fc_norm", False):
+        raise SpecgenError("vLLM 0.32 reads a speculators P-EAGLE config without fc_norm (update_peagle drops it); "
+                           "export this P-EAGLE draft with fc_norm as vllm")
+    if fmt == "speculators" and getattr(config, "fc_norm", False) and getattr(config, "norm_before_fc", False):
+        raise SpecgenError("speculators 0.9 refuses fc_norm together with norm_before_fc (vLLM runs both); export "
+                           "this draft as vllm, or train it with one of draft.fc_norm / draft.norm_before_fc")
+    flags = [flag for flag in EAGLE31_FLAGS if getattr(config, flag, False)]
+    if fmt in ("sglang", "specforge") and flags:
+        raise SpecgenError(f"the draft uses EAGLE-3.1's {', '.join(flags)}, which the {fmt} layout does not carry as "
+                           "vLLM reads it (SpecForge's norm_output means the opposite); export it as vllm or "
+                           "speculators")
     if fmt in ("sglang", "specforge") and before:
         raise SpecgenError(f"the draft uses norm_before_residual, which the {fmt} EAGLE-3 Llama loader does not "
                            "implement (it would serve other logits); export it as vllm or speculators")
@@ -156,16 +170,20 @@ def _speculators_config(config, layer: dict, section: dict, speculative_tokens: 
         raise SpecgenError("the speculators format names the target (verifier): the draft records none, pass "
                            "model.path=TARGET")
     for key in ("architectures", "eagle_config", "draft_vocab_size", "target_hidden_size", "norm_before_residual",
-                "specgen"):
+                "specgen", "mask_token_id", "parallel_drafting", *EAGLE31_FLAGS):
         layer.pop(key, None)
     layer["model_type"] = "llama"
     verifier_config = json.loads((Path(verifier) / CONFIG).read_text()) if (Path(verifier) / CONFIG).is_file() else {}
+    if getattr(config, "parallel_drafting", False):  # speculators' PEagleSpeculatorConfig; vLLM serves it as
+        algorithm, extra = "peagle", {"mask_token_id": int(config.mask_token_id)}  # eagle3 + parallel_drafting
+    else:
+        algorithm, extra = "eagle3", {}
     return {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
+        "architectures": ["PEagleSpeculator" if algorithm == "peagle" else "Eagle3Speculator"],
+        "speculators_model_type": algorithm,
         "speculators_version": _SPECULATORS_VERSION,
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": algorithm,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
@@ -177,10 +195,9 @@ def _speculators_config(config, layer: dict, section: dict, speculative_tokens: 
         "target_hidden_size": int(config.target_hidden_size),
         "eagle_aux_hidden_state_layer_ids": serving_layer_ids(aux_layers_of(config)),
         "norm_before_residual": bool(getattr(config, "norm_before_residual", False)),
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        **{flag: bool(getattr(config, flag, False)) for flag in EAGLE31_FLAGS},
         "embed_requires_grad": False,
+        **extra,
         "dtype": layer["dtype"],
         "specgen": section,
     }
@@ -208,8 +225,10 @@ def _from_plain(raw: dict, source: str, target_num_layers: int | None, foreign_i
     if not any("Eagle3" in name and "Llama" in name for name in architectures):
         raise SpecgenError(f"{source} describes {architectures or 'no architecture'}, not an EAGLE-3 Llama draft "
                            "(LlamaForCausalLMEagle3); point draft.path at an EAGLE-3 draft checkpoint")
-    _check_forward(raw, source, norm_output_means="specforge")
     section = raw.get("specgen") or {}
+    # specgen writes norm_output as vLLM reads it (EAGLE-3.1); a plain config from elsewhere is SpecForge's.
+    means = "vllm" if section else "specforge"
+    _check_forward(raw, source, norm_output_means=means)
     ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
         ids = raw.get("eagle_aux_hidden_state_layer_ids")
@@ -223,13 +242,17 @@ def _from_plain(raw: dict, source: str, target_num_layers: int | None, foreign_i
         aux = _default_aux(source, target_num_layers)
     fields = {key: value for key, value in raw.items()
               if key not in ("eagle_config", "eagle_aux_hidden_state_layer_ids", "specgen", "architectures")}
+    if means == "specforge":
+        fields.pop("norm_output", None)
+    if (raw.get("eagle_config") or {}).get("norm_before_fc") is not None:  # vLLM reads it there first
+        fields["norm_before_fc"] = raw["eagle_config"]["norm_before_fc"]
     return _finish(fields, aux, section, source)
 
 
 def _from_speculators(raw: dict, source: str, target_num_layers: int | None) -> transformers.LlamaConfig:
-    if raw.get("speculators_model_type") != "eagle3":
+    if raw.get("speculators_model_type") not in ("eagle3", "peagle"):
         raise SpecgenError(f"{source} is a speculators {raw.get('speculators_model_type')!r} model; specgen reads "
-                           "eagle3 speculators only")
+                           "eagle3 and peagle speculators only")
     layer = dict(raw.get("transformer_layer_config") or {})
     if layer.get("model_type", "llama") != "llama":
         raise SpecgenError(f"{source}: the draft layer is {layer.get('model_type')!r}; specgen implements the "
@@ -248,7 +271,12 @@ def _from_speculators(raw: dict, source: str, target_num_layers: int | None) -> 
         aux = _default_aux(source, target_num_layers)
     fields = {**layer, "draft_vocab_size": raw.get("draft_vocab_size"),
               "target_hidden_size": raw.get("target_hidden_size"),
-              "norm_before_residual": bool(raw["norm_before_residual"])}
+              "norm_before_residual": bool(raw["norm_before_residual"]),
+              **{flag: bool(raw.get(flag) or False) for flag in EAGLE31_FLAGS}}
+    if raw["speculators_model_type"] == "peagle":
+        if raw.get("mask_token_id") is None:
+            raise SpecgenError(f"{source} is a speculators peagle model without mask_token_id; add it to the config")
+        fields.update(parallel_drafting=True, mask_token_id=int(raw["mask_token_id"]))
     fields = {key: value for key, value in fields.items() if value is not None and key != "architectures"}
     return _finish(fields, aux, section, source)
 
@@ -276,16 +304,14 @@ def _default_aux(source: str, target_num_layers: int | None) -> list[int]:
     return aux
 
 
+EAGLE31_FLAGS = ("fc_norm", "norm_before_fc", "norm_output")  # vLLM 0.32 / speculators 0.9 names (Eagle3Draft)
 _UNSUPPORTED = {  # field: (value specgen implements, what it would change)
-    "fc_norm": (False, "per-layer RMSNorm before fc"),
-    "norm_before_fc": (False, "an RMSNorm before fc"),
     "use_aux_norm": (False, "per-layer RMSNorm before fc"),
     "attention_bias": (False, "attention biases"),
     "mlp_bias": (False, "MLP biases"),
     "bias": (False, "an fc bias"),
     "tie_word_embeddings": (False, "an LM head tied to the embedding"),
     "num_hidden_layers": (1, "more than one draft layer"),
-    "parallel_drafting": (False, "parallel drafting"),
 }
 
 
@@ -302,23 +328,20 @@ def _check_forward(raw: dict, source: str, *, norm_output_means: str) -> None:
                            "implement")
     if raw.get("logit_scale", 1.0) != 1.0:
         raise SpecgenError(f"{source} sets logit_scale={raw['logit_scale']}, which specgen does not implement")
-    if "norm_output" in raw:
+    if "norm_output" in raw and norm_output_means == "specforge":
         # SpecForge 0.2.0: norm_output (default true) applies the final norm before the LM head; false skips it.
-        # speculators / vLLM: norm_output true feeds the normed state to the next step (Eagle 3.1). Same key,
-        # two meanings: specgen implements SpecForge's true and speculators' false.
-        standard = norm_output_means == "specforge"
-        if bool(raw["norm_output"]) != standard:
-            meaning = ("logits without the final norm (SpecForge)" if standard else
-                       "the normed output fed to the next step (speculators / vLLM)")
-            raise SpecgenError(f"{source} sets norm_output={raw['norm_output']} ({meaning}), which specgen's "
-                               "EAGLE-3 draft does not implement")
-        if standard:
-            log.warning("%s sets norm_output=true (SpecForge: the final norm before the LM head, as specgen does); "
-                        "vLLM reads that key as Eagle 3.1's normed feedback, so specgen drops it on export", source)
+        # speculators / vLLM (and specgen's own configs): true feeds the normed state to the next step (EAGLE-3.1),
+        # which specgen implements (Eagle3Draft); SpecForge's false (no final norm) it does not.
+        if not raw["norm_output"]:
+            raise SpecgenError(f"{source} sets norm_output=false (SpecForge: logits without the final norm), which "
+                               "specgen's EAGLE-3 draft does not implement")
+        log.warning("%s sets norm_output=true (SpecForge: the final norm before the LM head, as specgen does); "
+                    "vLLM reads that key as EAGLE-3.1's normed feedback, so specgen drops it on export", source)
 
 
 def _finish(fields: dict, aux: list[int], section: dict, source: str) -> transformers.LlamaConfig:
-    fields = {key: value for key, value in fields.items() if key not in ("norm_output", "torch_dtype", "dtype")}
+    fields = {key: value for key, value in fields.items() if key not in ("torch_dtype", "dtype")
+              and not (key in EAGLE31_FLAGS and not value)}  # plain EAGLE-3 configs carry none of the flags
     config = transformers.LlamaConfig(**fields)
     config.architectures = [ARCHITECTURE]
     if getattr(config, "draft_vocab_size", None) is None:

@@ -50,7 +50,8 @@ OVERRIDABLE = ("intermediate_size", "num_attention_heads", "num_key_value_heads"
 
 
 def draft_config(target_config: transformers.PretrainedConfig, *, aux_layers: list[int], draft_vocab_size: int,
-                 overrides: dict | None = None, norm_before_residual: bool = False) -> transformers.LlamaConfig:
+                 overrides: dict | None = None, norm_before_residual: bool = False, fc_norm: bool = False,
+                 norm_before_fc: bool = False, norm_output: bool = False) -> transformers.LlamaConfig:
     """The draft's config, derived from the target's (text) config.
 
     `aux_layers` are specgen's 0-based decoder-layer output indices; `eagle_config.eagle_aux_hidden_state_layer_ids`
@@ -58,6 +59,8 @@ def draft_config(target_config: transformers.PretrainedConfig, *, aux_layers: li
     checkpoint serves in vLLM as trained. `aux_layers_of(config)` gives specgen's indices back.
     `overrides` may change the sizes in `OVERRIDABLE`; the hidden size must stay the target's because the
     draft shares the target's token embedding. `norm_before_residual` selects the layer variant (module docstring).
+    `fc_norm`, `norm_before_fc` and `norm_output` are EAGLE-3.1's flags (`Eagle3Draft`), under the names vLLM 0.32
+    and speculators 0.9 read.
     """
     text = target_config.get_text_config()
     fields = {key: getattr(text, key) for key in _INHERITED if getattr(text, key, None) is not None}
@@ -73,6 +76,9 @@ def draft_config(target_config: transformers.PretrainedConfig, *, aux_layers: li
     config.architectures = [ARCHITECTURE]
     config.draft_vocab_size = int(draft_vocab_size)
     config.norm_before_residual = bool(norm_before_residual)
+    if fc_norm or norm_before_fc or norm_output:  # EAGLE-3.1 (absent keys: plain EAGLE-3, as before)
+        config.fc_norm, config.norm_before_fc, config.norm_output = bool(fc_norm), bool(norm_before_fc), \
+            bool(norm_output)
     config.target_hidden_size = int(text.hidden_size)
     config.eagle_config = {"eagle_aux_hidden_state_layer_ids": serving_layer_ids(aux_layers),
                            "use_aux_hidden_state": True}
@@ -227,7 +233,15 @@ class DraftDecoderLayer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
-    """EAGLE-3 draft model. Parameter names match the published checkpoints (see module docstring)."""
+    """EAGLE-3 draft model. Parameter names match the published checkpoints (see module docstring).
+
+    EAGLE-3.1's flags (config, all False by default; vLLM 0.32 `llama_eagle3.py` and speculators 0.9 read them
+    so): `norm_before_fc`: one RMSNorm (`input_norm`) over the concatenated k*H aux states before fc;
+    `fc_norm`: an RMSNorm per aux layer (`fc_norm.{i}`) before fc (after input_norm when both are set);
+    `norm_output`: a step returns norm(out), which is fed to the next step and read by the LM head unnormed.
+    """
+
+    method_name = "eagle3"
 
     def __init__(self, config: transformers.LlamaConfig):
         super().__init__()
@@ -235,6 +249,14 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
         self.fc = nn.Linear(num_aux_layers(config) * config.target_hidden_size, config.hidden_size, bias=False)
+        k, width = num_aux_layers(config), config.target_hidden_size
+        if getattr(config, "norm_before_fc", False):
+            self.input_norm = LlamaRMSNorm(k * width, eps=config.rms_norm_eps)
+        if getattr(config, "fc_norm", False):
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(width, eps=config.rms_norm_eps) for _ in range(k))
+        self.norm_output = bool(getattr(config, "norm_output", False))
+        if self.norm_output or hasattr(self, "input_norm") or hasattr(self, "fc_norm"):
+            self.method_name = "eagle3.1"
         self.midlayer = DraftDecoderLayer(config)
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -254,23 +276,31 @@ class Eagle3Draft(nn.Module):
 
     def project(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """Fuse the target's k aux hidden states [.., k*H_target] into the draft's input hidden state [.., H]."""
-        return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
+        states = aux_hidden_states.to(self.fc.weight.dtype)
+        if hasattr(self, "input_norm"):
+            states = self.input_norm(states)
+        if hasattr(self, "fc_norm"):
+            chunks = states.chunk(len(self.fc_norm), dim=-1)
+            states = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        return self.fc(states)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, kv: DraftKV, *,
                 extend_base: bool) -> torch.Tensor:
         """One draft step over n positions: tokens [B, n] (target ids), hidden [B, n, H], positions [B, n].
 
-        Returns the pre-norm output [B, n, H]: the next step's `hidden`, and `logits()`'s input.
+        Returns the pre-norm output [B, n, H] (post-norm with norm_output): the next step's `hidden`, and
+        `logits()`'s input.
         extend_base: the step read target hidden states (its entries become base entries) rather than the
         draft's own previous output (chain entries).
         """
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        return self.midlayer(embeds, hidden, cos, sin, kv, extend_base=extend_base)
+        out = self.midlayer(embeds, hidden, cos, sin, kv, extend_base=extend_base)
+        return self.norm(out) if self.norm_output else out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [.., draft_vocab_size] from a step's output."""
-        return self.lm_head(self.norm(hidden))
+        return self.lm_head(hidden if self.norm_output else self.norm(hidden))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target-vocabulary ids (target = draft + d2t[draft])."""

@@ -17,7 +17,8 @@ import transformers
 from transformers import DynamicCache
 
 from specgen.capture.layers import layer_output_hooks
-from specgen.draft.model import DraftKV, Eagle3Draft
+from specgen.draft import methods
+from specgen.draft.model import Eagle3Draft
 from specgen.errors import SpecgenError
 from specgen.runtime.compat import cache_kwarg
 
@@ -90,32 +91,23 @@ def greedy_generate(target: TargetRunner, prompt_ids: list[int], *, max_new_toke
 @torch.inference_mode()
 def speculative_generate(target: TargetRunner, draft: Eagle3Draft, prompt_ids: list[int], *, num_draft_tokens: int,
                          max_new_tokens: int, eos_ids: set[int]) -> Generation:
-    """Greedy speculative decoding with a chain of `num_draft_tokens` draft tokens per round."""
+    """Greedy speculative decoding with `num_draft_tokens` draft tokens per round, drafted the way vLLM drafts
+    with the draft's method (`specgen.draft.methods`: a chain for EAGLE-3, one parallel forward for P-EAGLE)."""
     if num_draft_tokens < 1:
         raise SpecgenError(f"evaluate.num_draft_tokens must be at least 1, got {num_draft_tokens}")
     start = time.perf_counter()
-    device = next(draft.parameters()).device
-    cache, kv = DynamicCache(), DraftKV()
+    proposer = methods.of_model(draft).proposer(draft)
+    cache = DynamicCache()
     logits, aux = target.forward(prompt_ids, cache)
     result = Generation(tokens=[int(logits[-1].argmax())])
     # Base entries still to add to the draft: (target aux hidden state at m, token at m+1) for verified m.
     pending_aux, pending_tokens = aux, prompt_ids[1:] + result.tokens
+    verified = len(prompt_ids)  # tokens in the target cache
     done = result.tokens[0] in eos_ids or max_new_tokens <= 1
     while not done:
-        first_position = kv.base_length
-        positions = torch.arange(first_position, first_position + len(pending_tokens), device=device)[None]
-        hidden = draft(torch.tensor([pending_tokens], device=device), draft.project(pending_aux.to(device))[None],
-                       positions, kv, extend_base=True)[:, -1:]
-        last_position = kv.base_length - 1
-        drafted = []
-        for step in range(num_draft_tokens):
-            if step > 0:
-                hidden = draft(torch.tensor([[drafted[-1]]], device=device), hidden,
-                               torch.tensor([[last_position + step]], device=device), kv, extend_base=False)
-            drafted.append(int(draft.to_target_ids(draft.logits(hidden)[0, -1].argmax())))
-        kv.drop_chain()
+        drafted = proposer.propose(pending_aux, pending_tokens, num_draft_tokens)
 
-        verified_length = kv.base_length + 1  # tokens in the target cache once result.tokens[-1] is consumed
+        verified_length = verified + 1  # tokens in the target cache once result.tokens[-1] is consumed
         logits, aux = target.forward([result.tokens[-1]] + drafted, cache)
         greedy = logits.argmax(-1).tolist()
         accepted = 0
@@ -126,6 +118,7 @@ def speculative_generate(target: TargetRunner, draft: Eagle3Draft, prompt_ids: l
         if rejected:
             cache.crop(-rejected)  # a negative count removes that many tokens (transformers 4.x and 5.x alike)
         pending_aux, pending_tokens = aux[: accepted + 1], emitted
+        verified = verified_length + accepted
 
         before = len(result.tokens)
         result.tokens, done = _finish(result.tokens + emitted, max_new_tokens, eos_ids)

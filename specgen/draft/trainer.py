@@ -1,4 +1,5 @@
-"""The training loop shared by offline and online training: batches in, TTT loss, optimizer steps, metrics, saves.
+"""The training loop shared by offline and online training: batches in, the method's loss (TTT for EAGLE-3; see
+`specgen.draft.methods`), optimizer steps, metrics, saves.
 
 One optimizer step = `grad_accum` micro-steps, each one batch of this process. The loop's position (optimizer
 step, epoch, batches of the epoch already trained) is saved with every checkpoint; batch plans are deterministic
@@ -50,6 +51,7 @@ class LoopSettings:
     mask_shift: int = 2  # step j at index i is scored where loss_mask[i + mask_shift + j] (specgen.draft.ttt)
     eval_every: int = 0  # optimizer steps between acceptance probes (and at the last step); 0: none
     keep_checkpoints: int = 2  # complete checkpoints kept in out_dir/checkpoints (the newest)
+    metrics: Callable[[torch.Tensor], dict] | None = None  # the method's metrics of summed stats; None: TTT's
 
 
 @dataclass
@@ -192,7 +194,7 @@ class DraftTrainer:
         self.state.tokens_seen += tokens
         seconds = time.perf_counter() - window.start
         metrics = {"step": self.state.step, "epoch": self.state.epoch,
-                   **step_metrics(totals[:-1].view(window.stats.shape), self.settings.ttt_decay),
+                   **self._metrics(totals[:-1].view(window.stats.shape)),
                    "lr": self.backend.learning_rate(), "tokens_per_s": tokens / max(seconds, 1e-9),
                    "tokens_seen": self.state.tokens_seen}
         if probing and self.is_main and self.probe is not None:
@@ -206,6 +208,11 @@ class DraftTrainer:
             self._first_window = False
             self._require_scored(metrics)
         return metrics
+
+    def _metrics(self, stats: torch.Tensor) -> dict:
+        if self.settings.metrics is not None:
+            return self.settings.metrics(stats)
+        return step_metrics(stats, self.settings.ttt_decay)
 
     def _require_scored(self, metrics: dict) -> None:
         """Stop a run whose first logging window has no position a draft can get right (the target's top token in

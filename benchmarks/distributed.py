@@ -131,7 +131,7 @@ def setup(model: Path, args, work: Path, *extra: str):
     from specgen.config import compose
     from specgen.data.sources import iter_records
     from specgen.data.template import ChatTemplateTokenizer
-    from specgen.distributed import init_workers
+    from specgen.ranks import init_workers
     from specgen.data.sources import work_units
     from specgen.generate import load_capture, prepare_unit
     from specgen.runtime import load_tokenizer
@@ -150,7 +150,7 @@ def timed_loop(cfg, workers, target, units, writer_factory) -> float:
     """Seconds for generate's capture loop over `units` with the given writer."""
     from contextlib import nullcontext
 
-    from specgen.distributed.monitor import JobMonitor
+    from specgen.ranks.monitor import JobMonitor
     from specgen.generate import capture_units
 
     monitor = JobMonitor(workers, None, enabled=False, heartbeat_s=2.0)

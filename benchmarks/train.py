@@ -25,7 +25,7 @@ import torch
 from specgen.assets import ASSETS_DIR
 from specgen.config import compose
 from specgen.draft.batches import BatchPlan
-from specgen.draft.distributed import DDPBackend
+from specgen.draft.strategy import DDPStrategy
 from specgen.draft.offline import OfflineBatches
 from specgen.draft.target_head import TargetHead
 from specgen.draft.trainer import DraftTrainer, LoopSettings
@@ -44,12 +44,12 @@ def make_trainer(cfg, data: TrainingData, out_dir: Path) -> DraftTrainer:
     objective = TTTObjective(draft, ttt_length=cfg.train.ttt_length, decay=cfg.train.ttt_decay)
     optimizer = torch.optim.AdamW(draft.trainable_parameters(), lr=cfg.train.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    backend = DDPBackend(objective, optimizer, scheduler, device=torch.device("cpu"), world_size=1, grad_accum=1,
+    strategy = DDPStrategy(objective, optimizer, scheduler, device=torch.device("cpu"), world_size=1, grad_accum=1,
                          grad_clip=cfg.train.grad_clip)
     head = TargetHead(data.lm_head, VocabMapping.from_d2t(draft.d2t, draft.config.vocab_size))
     settings = LoopSettings(total_steps=0, grad_accum=1, ttt_decay=cfg.train.ttt_decay, log_every=1,
                             save_every=None, autocast_dtype=None)
-    return DraftTrainer(backend=backend, head=head, source=data.source, settings=settings, out_dir=out_dir,
+    return DraftTrainer(strategy=strategy, head=head, source=data.source, settings=settings, out_dir=out_dir,
                         save_draft=lambda state: None, is_main=True, progress=False)
 
 

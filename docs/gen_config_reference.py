@@ -2,7 +2,7 @@
 
 Types, choices and minimums come from `specgen/schema.py` (`KEYS`); defaults come from composing every stage's
 config exactly as the command line does (with no overrides, then once per alternative of each config group it uses,
-e.g. `engine=vllm`), and each key's one-line meaning is the comment beside it in `specgen/conf/**.yaml`.
+e.g. `engine=vllm`), and each key's one-line meaning is the comment beside it in `conf/**.yaml`.
 `docs/hooks.py` puts `render()` into `docs/reference/configuration.md` when mkdocs builds the site;
 `python docs/gen_config_reference.py` prints the same Markdown. `rows()` is what the tests check: one row per key of
 `KEYS`, each with its defaults and its comment.

@@ -1,7 +1,7 @@
 """`python -m specgen.export draft.path=CKPT output.dir=DIR export.format=FORMAT`: a draft in an engine's layout.
 
 Reads any layout specgen reads (`specgen.draft.checkpoint.load_draft`) and writes config.json + model.safetensors
-in FORMAT (`specgen.draft.formats.FORMATS`): vllm (specgen.train's own), sglang, specforge or speculators. A format
+in FORMAT (`specgen.draft.exports.FORMATS`): vllm (specgen.train's own), sglang, specforge or speculators. A format
 that cannot represent the draft (aux layer count, layer variant) refuses with a one-line error.
 """
 
@@ -13,7 +13,7 @@ import transformers
 from omegaconf import DictConfig
 
 from specgen.config import stage_main
-from specgen.draft import formats, methods
+from specgen.draft import exports, methods
 from specgen.draft.checkpoint import load_draft, read_raw_config, specgen_info
 from specgen.draft.model import aux_layers_of
 from specgen.errors import SpecgenError
@@ -29,12 +29,12 @@ def run(cfg: DictConfig) -> dict:
     if cfg.draft.path is None:
         raise SpecgenError("pass draft.path=CKPT (a draft checkpoint) and output.dir=DIR")
     fmt = cfg.export.format
-    if fmt not in formats.FORMATS:
-        raise SpecgenError(f"export.format={fmt!r} is unknown; use one of {list(formats.FORMATS)}")
+    if fmt not in exports.FORMATS:
+        raise SpecgenError(f"export.format={fmt!r} is unknown; use one of {list(exports.FORMATS)}")
     if cfg.export.dtype is not None and cfg.export.dtype not in DTYPES:
         raise SpecgenError(f"export.dtype={cfg.export.dtype!r}; use one of {list(DTYPES)} or null")
     out_dir = Path(cfg.output.dir)
-    if (out_dir / formats.CONFIG).exists() and not cfg.output.overwrite:
+    if (out_dir / exports.CONFIG).exists() and not cfg.output.overwrite:
         raise SpecgenError(f"{out_dir} already holds a checkpoint; pass output.overwrite=true or another output.dir")
     if out_dir.resolve() == Path(cfg.draft.path).resolve():
         raise SpecgenError("output.dir is draft.path: export into another folder")
@@ -55,13 +55,13 @@ def run(cfg: DictConfig) -> dict:
                                                      speculative_tokens=cfg.export.speculative_tokens,
                                                      verifier=target)
     with hold_lease(out_dir, stage="export"):  # another job writing output.dir is refused in one line
-        formats.write_files(out_dir, config, tensors)
+        exports.write_files(out_dir, config, tensors)
     summary = {"format": fmt, "output": str(out_dir), "aux_layers": aux_layers_of(draft.config),
-               "eagle_aux_hidden_state_layer_ids": _ids_written(config), "dtype": formats.stored_dtype(tensors)}
+               "eagle_aux_hidden_state_layer_ids": _ids_written(config), "dtype": exports.stored_dtype(tensors)}
     print(format_table([
         ("exported", f"{cfg.draft.path} -> {out_dir} ({fmt})"),
         ("aux layers", f"{summary['aux_layers']} (0-based decoder-layer outputs), written as "
-                       f"{summary['eagle_aux_hidden_state_layer_ids']}: {formats.ID_MEANING[fmt]}"),
+                       f"{summary['eagle_aux_hidden_state_layer_ids']}: {exports.ID_MEANING[fmt]}"),
         ("weights", summary["dtype"]),
     ]))
     return summary

@@ -5,8 +5,8 @@ units of `output.shard_size` rows. Each unit becomes one shard, written atomical
 earlier (possibly killed) run are skipped, so re-running the same command resumes. The manifest is written last.
 
 Under `accelerate launch` each process claims the next unfinished unit whenever it is ready for one
-(`specgen.distributed.claims`), so no process waits for a slower one; the main process writes the manifest once
-every process is done (`specgen.distributed.monitor`). Within a process,
+(`specgen.ranks.claims`), so no process waits for a slower one; the main process writes the manifest once
+every process is done (`specgen.ranks.monitor`). Within a process,
 tokenizing runs ahead of the target and writing behind it (`specgen.pipeline`).
 """
 
@@ -40,10 +40,10 @@ from specgen.data.sample import TokenizedSample
 from specgen.data.sources import SourceRecord, capped_source, work_units
 from specgen.data.template import ChatTemplateTokenizer, chat_template_sha256
 from specgen.draft.vocab import TARGET_TOKEN_COUNTS, TOKEN_COUNTS
-from specgen.distributed import Workers, init_workers, report_error, slowdown_for_tests
-from specgen.distributed.claims import UnitClaims, clear_claims
-from specgen.distributed.monitor import JobMonitor, PeerFailure
-from specgen.distributed.zero import ZeroCapture, load_zero3_target
+from specgen.ranks import Workers, init_workers, report_error, slowdown_for_tests
+from specgen.ranks.claims import UnitClaims, clear_claims
+from specgen.ranks.monitor import JobMonitor, PeerFailure
+from specgen.ranks.zero import ZeroCapture, load_zero3_target
 from specgen.errors import SpecgenError
 from specgen.filters import SampleFilter
 from specgen.outdir import claim_output_dir, fingerprint
@@ -54,7 +54,7 @@ from specgen.store.manifest import merge_rejected, shard_checksums, summarize_sh
 from specgen.store.prefix_layout import PrefixRefEncoder, bytes_flat
 from specgen.store.commit import write_json_atomic
 from specgen.store.lease import hold_job_lease
-from specgen.store.schema import ShardSpec
+from specgen.store.columns import ShardSpec
 from specgen.store.writer import finished_shards, read_sidecar, remove_partial, shard_name
 
 log = logging.getLogger("specgen.generate")

@@ -22,7 +22,7 @@ from typing import TypeVar
 import torch
 
 from specgen.capture.target import CaptureOutput
-from specgen.store.schema import ShardSpec
+from specgen.store.columns import ShardSpec
 from specgen.store.writer import ShardWriter
 
 T = TypeVar("T")

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from specgen.capture.target import config_hash, load_target
 from specgen.config import stage_main, to_container
 from specgen.data.template import chat_template_sha256
-from specgen.distributed import Workers, init_workers
+from specgen.ranks import Workers, init_workers
 from specgen.errors import SpecgenError
 from specgen.data.sources import CappedSource, capped_source, work_units
 from specgen.runtime import load_tokenizer, resolve_model_dtype

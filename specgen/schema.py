@@ -1,6 +1,6 @@
 """The typed configuration schema: every key of every stage, its type, allowed values and range.
 
-The YAML files in `specgen/conf/` give each key its default and its one-line comment; this table gives its type.
+The YAML files in `conf/` give each key its default and its one-line comment; this table gives its type.
 `validate(cfg, stage)` runs on the composed config of a stage before anything is loaded and raises a one-line
 `SpecgenError` naming the first offending key: an unknown key (with the closest valid one), a required key left
 unset (`???`), a value of the wrong type, outside its choices or below its minimum. One key means one thing in

@@ -5,7 +5,7 @@
     accelerate launch --multi_gpu --num_processes 2 -m specgen.train ... [distributed=zero2]
 
 Read top to bottom: join the process group, open the data (which fixes the target, its aux layers and the
-trained-token counts), build the vocabulary mapping and the draft, wrap it for the distributed backend, run the
+trained-token counts), build the vocabulary mapping and the draft, wrap it in the training strategy (DDP or ZeRO-2), run the
 loop. output.dir receives config.json + model.safetensors (the latest draft, servable by vLLM/SGLang), metrics.jsonl,
 TensorBoard logs and checkpoints/step-NNNNNN/ (written atomically; train.resume=true continues from the newest).
 """
@@ -39,7 +39,7 @@ from specgen.draft.checkpoint import (
     save_draft,
     specgen_info,
 )
-from specgen.draft.distributed import DDPBackend, DeepSpeedBackend
+from specgen.draft.strategy import DDPStrategy, ZeroStrategy
 from specgen.draft import methods
 from specgen.draft.model import Eagle3Draft, aux_layers_of
 from specgen.draft.offline import OfflineBatches
@@ -160,7 +160,7 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
     warmup_steps = schedule_steps // 100 if cfg.train.warmup_steps is None else cfg.train.warmup_steps  # null: 1%
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(
         schedule_steps, warmup_steps, cfg.train.min_lr_ratio, cfg.train.schedule))
-    backend = make_backend(cfg, objective, optimizer, scheduler, device, accelerator.num_processes)
+    strategy = make_strategy(cfg, objective, optimizer, scheduler, device, accelerator.num_processes)
 
     info = {"target": {"path": data.target_path, "config_hash": data.target_config_hash},
             "mode": cfg.mode,
@@ -174,7 +174,7 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
     if cfg.train.tensorboard:
         accelerator.init_trackers("tensorboard")
     trainer = DraftTrainer(
-        backend=backend, head=head, source=data.source, out_dir=out_dir, save_draft=save, is_main=is_main,
+        strategy=strategy, head=head, source=data.source, out_dir=out_dir, save_draft=save, is_main=is_main,
         settings=LoopSettings(total_steps=total_steps, grad_accum=cfg.train.grad_accum,
                               ttt_decay=cfg.train.ttt_decay, log_every=cfg.train.log_every,
                               save_every=cfg.train.save_every, autocast_dtype=_autocast_dtype(cfg, device),
@@ -399,14 +399,14 @@ def _mapping_of(draft: Eagle3Draft) -> VocabMapping:
     return VocabMapping.from_d2t(draft.d2t, draft.config.vocab_size)
 
 
-def make_backend(cfg: DictConfig, objective: torch.nn.Module, optimizer, scheduler, device: torch.device,
-                 world_size: int) -> DDPBackend | DeepSpeedBackend:
+def make_strategy(cfg: DictConfig, objective: torch.nn.Module, optimizer, scheduler, device: torch.device,
+                 world_size: int) -> DDPStrategy | ZeroStrategy:
     common = dict(device=device, world_size=world_size, grad_accum=cfg.train.grad_accum,
                   grad_clip=cfg.train.grad_clip)
     if cfg.distributed.strategy == "ddp":
-        return DDPBackend(objective, optimizer, scheduler, **common)
+        return DDPStrategy(objective, optimizer, scheduler, **common)
     if cfg.distributed.strategy == "deepspeed":
-        return DeepSpeedBackend(objective, optimizer, scheduler, **common,
+        return ZeroStrategy(objective, optimizer, scheduler, **common,
                                 ds_config=to_container(cfg.distributed.deepspeed))
     raise SpecgenError(f"distributed.strategy={cfg.distributed.strategy!r} is unknown; use distributed=ddp or "
                        "distributed=zero2")

@@ -56,8 +56,8 @@ def test_reference_covers_every_key_with_type_default_and_comment(rows, generato
     assert list(rows) == list(KEYS)
     no_default = [key for key, row in rows.items() if not row.defaults and not row.alternatives]
     no_comment = [key for key, row in rows.items() if not row.comment]
-    assert not no_default, f"keys no stage or group option sets (add them to specgen/conf): {no_default}"
-    assert not no_comment, f"keys without a one-line comment in specgen/conf: {no_comment}"
+    assert not no_default, f"keys no stage or group option sets (add them to conf/): {no_default}"
+    assert not no_comment, f"keys without a one-line comment in conf/: {no_comment}"
     rendered = generator.render()
     for key in KEYS:
         assert rendered.count(f"| `{key}` |") == 1, key

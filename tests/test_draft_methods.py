@@ -13,7 +13,7 @@ from specgen.assets import ASSETS_DIR
 from specgen.config import compose
 from specgen.draft import methods
 from specgen.draft.checkpoint import load_draft, save_draft
-from specgen.draft.formats import export_files
+from specgen.draft.exports import export_files
 from specgen.draft.model import DraftKV, draft_config
 from specgen.draft.peagle import PEagleDraft, cod_selection, peagle_forward
 from specgen.draft.speculative import TargetRunner, greedy_generate, speculative_generate

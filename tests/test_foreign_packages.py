@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from specgen.assets import ASSETS_DIR
 from specgen.draft.checkpoint import load_draft
-from specgen.draft.formats import export_files, write_files
+from specgen.draft.exports import export_files, write_files
 from specgen.draft.model import DraftKV, Eagle3Draft, aux_layers_of, draft_config
 
 pytestmark = pytest.mark.vllm  # runs in vLLM's venv, where the packages are installed

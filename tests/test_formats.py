@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from specgen.config import compose
 from specgen.draft.checkpoint import load_draft, read_draft_config, save_draft
-from specgen.draft.formats import export_files, write_files
+from specgen.draft.exports import export_files, write_files
 from specgen.draft.model import Eagle3Draft, aux_layers_of, draft_config
 from specgen.errors import SpecgenError
 from tests.test_draft_model import PUBLISHED_NAMES, one_thread  # noqa: F401 (fixture)

@@ -11,7 +11,7 @@ from specgen.config import compose
 from specgen.errors import SpecgenError
 from specgen.generate import run
 from specgen.store import ShardSpec, ShardWriter, fp8
-from specgen.store.schema import METADATA_KEY
+from specgen.store.columns import METADATA_KEY
 
 
 def decode_error_bound(hidden: torch.Tensor, decoded: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from specgen.capture.target import CaptureOutput
-from specgen.distributed import Workers
-from specgen.distributed.monitor import JobMonitor
+from specgen.ranks import Workers
+from specgen.ranks.monitor import JobMonitor
 from specgen.pipeline import BackgroundWriter, copy_to_host, prefetched
 from specgen.store.reader import open_shards
-from specgen.store.schema import ShardSpec
+from specgen.store.columns import ShardSpec
 from specgen.store.writer import ShardWriter, finished_shards
 
 SPEC = ShardSpec(hidden_size=4, num_aux=2, dtype="float32")

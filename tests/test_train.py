@@ -148,7 +148,7 @@ def uninterrupted(shards, tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kill_before, resumes_from", [
-    ("specgen.draft.distributed:DDPBackend.save", 2),  # step 3's weights written, its optimizer not
+    ("specgen.draft.strategy:DDPStrategy.save", 2),  # step 3's weights written, its optimizer not
     ("specgen.draft.trainer:TrainerState.save", 2),  # weights and optimizer written, the loop state not
     ("specgen.draft.checkpoint:Checkpoints._write_latest", 3),  # renamed into place, the pointer still says step 2
     ("specgen.draft.checkpoint:Checkpoints._publish", 3),  # output.dir's draft still step 2's

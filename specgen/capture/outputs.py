@@ -39,7 +39,7 @@ from specgen.capture.positions import position_chunks
 from specgen.capture.target import CaptureOutput, TargetCapture
 from specgen.errors import SpecgenError
 from specgen.store import fp8
-from specgen.store.schema import LOGITS, POOLED
+from specgen.store.columns import LOGITS, POOLED
 
 
 # Config entries of architectures that transform the logits after the LM head, with their no-op value.

@@ -19,7 +19,7 @@ A training run's output.dir holds the latest draft in that layout (what evaluate
 The token embedding is the target's and is not stored (as in the published EAGLE-3 drafts): both serving
 engines, and `load_draft` here, take it from the target. Weights are stored in the training dtype (float32 master
 weights) so resuming is exact; engines run the draft in the target's dtype. Other layouts (the SGLang, SpecForge
-and speculators formats, the published EAGLE-3 drafts) are read through `specgen.draft.formats`.
+and speculators formats, the published EAGLE-3 drafts) are read through `specgen.draft.exports`.
 """
 
 import json
@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from specgen.draft import formats, methods
-from specgen.draft.formats import CONFIG, WEIGHTS
+from specgen.draft import exports, methods
+from specgen.draft.exports import CONFIG, WEIGHTS
 from specgen.draft.model import Eagle3Draft
 from specgen.errors import SpecgenError
 from specgen.store.commit import (TMP_SUFFIX, checksum_problems, commit_file, fsync_dir, fsync_file, numbered_files,
@@ -50,13 +50,13 @@ def save_draft(draft: Eagle3Draft, out_dir: str | Path, specgen_info: dict) -> N
     (`specgen.draft.methods`), which records its name as config.json's `specgen.method`."""
     tensors = {name: tensor for name, tensor in draft.state_dict().items() if name not in _NOT_STORED}
     config, tensors = methods.of_model(draft).export(draft.config, tensors, "vllm", info=specgen_info)
-    formats.write_files(out_dir, config, tensors)
+    exports.write_files(out_dir, config, tensors)
 
 
 def read_raw_config(path: str | Path) -> dict:
     """config.json of a draft checkpoint folder, as stored."""
     folder = Path(path)
-    if not (folder / CONFIG).is_file() or formats.weights_file(folder) is None:
+    if not (folder / CONFIG).is_file() or exports.weights_file(folder) is None:
         raise SpecgenError(f"draft.path {str(path)!r} is not a draft checkpoint (needs {CONFIG} and {WEIGHTS}); "
                            "point it at the output.dir of specgen.train")
     return json.loads((folder / CONFIG).read_text())
@@ -64,13 +64,13 @@ def read_raw_config(path: str | Path) -> dict:
 
 def read_draft_config(path: str | Path, *, target_config: transformers.PretrainedConfig | None = None,
                       foreign_ids: str = "layer_outputs") -> transformers.LlamaConfig:
-    """The draft's config in specgen's form, from any supported layout (see `specgen.draft.formats`).
+    """The draft's config in specgen's form, from any supported layout (see `specgen.draft.exports`).
 
     `target_config` resolves the default aux layers of drafts that record none; `foreign_ids` says how to read the
     ids of a plain EAGLE-3 checkpoint specgen did not write.
     """
     num_layers = target_config.get_text_config().num_hidden_layers if target_config is not None else None
-    return formats.canonical_config(read_raw_config(path), source=str(Path(path) / CONFIG),
+    return exports.canonical_config(read_raw_config(path), source=str(Path(path) / CONFIG),
                                     target_num_layers=num_layers, foreign_ids=foreign_ids)
 
 
@@ -93,11 +93,11 @@ def load_eagle_family(folder: Path, model_class: type, *, embedding: torch.Tenso
     if damaged:
         raise SpecgenError(f"{folder}: {damaged[0]}; restore the checkpoint from a copy or train it again")
     draft = model_class(config)
-    state = formats.canonical_tensors(formats.read_tensors(folder), config)
+    state = exports.canonical_tensors(exports.read_tensors(folder), config)
     missing, unexpected = draft.load_state_dict(state, strict=False)
     missing = [name for name in missing if name not in _NOT_STORED]
     if missing or unexpected:
-        raise SpecgenError(f"{formats.weights_file(folder)} does not match its config: missing {missing}, "
+        raise SpecgenError(f"{exports.weights_file(folder)} does not match its config: missing {missing}, "
                            f"unexpected {unexpected}; the checkpoint is damaged or has a layout specgen does not "
                            "implement")
     if embedding is not None:

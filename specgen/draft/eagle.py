@@ -13,7 +13,7 @@ import torch
 import transformers
 from torch import nn
 
-from specgen.draft import formats
+from specgen.draft import exports
 from specgen.draft.model import DraftKV, Eagle3Draft, draft_config
 from specgen.draft.ttt import TTTObjective, step_metrics
 
@@ -68,7 +68,7 @@ class EagleMethod:
 
     def export(self, config, tensors: dict[str, torch.Tensor], fmt: str, *, info: dict | None = None,
                speculative_tokens: int = 3, verifier: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
-        return formats.export_files(config, tensors, fmt, info={**(info or {}), "method": self.name},
+        return exports.export_files(config, tensors, fmt, info={**(info or {}), "method": self.name},
                                     speculative_tokens=speculative_tokens, verifier=verifier)
 
     def proposer(self, draft: Eagle3Draft) -> "ChainProposer":

@@ -71,7 +71,7 @@ class DraftMethod(Protocol):
 
     def export(self, config, tensors: dict[str, torch.Tensor], fmt: str, *, info: dict | None,
                speculative_tokens: int, verifier: str | None) -> tuple[dict, dict[str, torch.Tensor]]:
-        """(config.json content, tensors) of the draft in format `fmt` (`specgen.draft.formats.FORMATS`)."""
+        """(config.json content, tensors) of the draft in format `fmt` (`specgen.draft.exports.FORMATS`)."""
 
     def proposer(self, draft: nn.Module) -> Proposer:
         """Decoding state for one generation (see `Proposer`)."""

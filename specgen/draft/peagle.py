@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specgen.draft import formats
+from specgen.draft import exports
 from specgen.draft.eagle import ChainProposer, EagleMethod
 from specgen.draft.model import DraftKV, Eagle3Draft, num_aux_layers
 from specgen.draft.target_head import TargetDistribution

@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specgen.draft.checkpoint import TRAINING_STATE, Checkpoints
-from specgen.draft.distributed import Backend
+from specgen.draft.strategy import Strategy
 from specgen.draft.target_head import TargetHead
 from specgen.draft.ttt import DraftBatch, batch_target, step_metrics
 from specgen.errors import SpecgenError
@@ -97,16 +97,16 @@ class _Window:
 
 
 class DraftTrainer:
-    """Runs the loop. `save_draft(state, folder)` writes the draft (main process only), `backend.save` the optimizer
+    """Runs the loop. `save_draft(state, folder)` writes the draft (main process only), `strategy.save` the optimizer
     (into a step-numbered checkpoint under out_dir/checkpoints, committed atomically: `Checkpoints`);
     `probe()` (main process only, every `settings.eval_every` steps) returns metrics of the live draft, such as
     `specgen.draft.probe.AcceptanceProbe`'s, merged into that step's metrics line."""
 
-    def __init__(self, *, backend: Backend, head: TargetHead, source: BatchSource, settings: LoopSettings,
+    def __init__(self, *, strategy: Strategy, head: TargetHead, source: BatchSource, settings: LoopSettings,
                  out_dir: Path, save_draft: Callable[[TrainerState, Path], None], is_main: bool,
                  log_tracker: Callable[[dict, int], None] | None = None, progress: bool = True,
                  vocab_source: str = "data", probe: Callable[[], dict] | None = None):
-        self.backend = backend
+        self.strategy = strategy
         self.head = head
         self.source = source
         self.settings = settings
@@ -125,7 +125,7 @@ class DraftTrainer:
         """Continue from the complete checkpoint folder `checkpoint` (weights are loaded by the caller before
         wrapping)."""
         self.state = TrainerState.load(checkpoint / TRAINING_STATE)
-        self.backend.load(checkpoint / TRAINING_STATE)
+        self.strategy.load(checkpoint / TRAINING_STATE)
         if self.is_main:
             _truncate_metrics(self.out_dir / METRICS, self.state.step)
         log.info("resumed at step %d (epoch %d, %d batches into it)", self.state.step, self.state.epoch,
@@ -174,20 +174,20 @@ class DraftTrainer:
     def train_batch(self, batch: DraftBatch, boundary: bool = True) -> torch.Tensor:
         """One micro-step: target distribution, TTT forward and backward; an optimizer update at a `boundary`
         (the end of a gradient accumulation). Returns the step statistics (see `specgen.draft.ttt`)."""
-        batch = batch.to(self.backend.device)
+        batch = batch.to(self.strategy.device)
         target = batch_target(self.head, batch, self.settings.mask_shift)
-        autocast = (torch.autocast(self.backend.device.type, dtype=self.settings.autocast_dtype)
+        autocast = (torch.autocast(self.strategy.device.type, dtype=self.settings.autocast_dtype)
                     if self.settings.autocast_dtype is not None else nullcontext())
         with autocast:
-            loss, stats = self.backend.forward(batch.input_ids, batch.loss_mask, batch.aux_hidden_states,
+            loss, stats = self.strategy.forward(batch.input_ids, batch.loss_mask, batch.aux_hidden_states,
                                                target.probs, target.argmax, batch.position_ids,
                                                batch.document_ids, sync=boundary)
-        self.backend.backward(loss)
-        self.backend.update(boundary=boundary)
+        self.strategy.backward(loss)
+        self.strategy.update(boundary=boundary)
         return stats.detach()
 
     def _log(self, window: _Window, probing: bool = False) -> dict:
-        totals = self.backend.all_reduce_sum(torch.cat([window.stats.flatten(),
+        totals = self.strategy.all_reduce_sum(torch.cat([window.stats.flatten(),
                                                         torch.tensor([float(window.tokens)], dtype=torch.float64,
                                                                      device=window.stats.device)]))
         tokens = int(totals[-1])
@@ -195,7 +195,7 @@ class DraftTrainer:
         seconds = time.perf_counter() - window.start
         metrics = {"step": self.state.step, "epoch": self.state.epoch,
                    **self._metrics(totals[:-1].view(window.stats.shape)),
-                   "lr": self.backend.learning_rate(), "tokens_per_s": tokens / max(seconds, 1e-9),
+                   "lr": self.strategy.learning_rate(), "tokens_per_s": tokens / max(seconds, 1e-9),
                    "tokens_seen": self.state.tokens_seen}
         if probing and self.is_main and self.probe is not None:
             metrics.update(self.probe())
@@ -246,7 +246,7 @@ class DraftTrainer:
         folder = self.checkpoints.staging(self.state.step)
         if self.is_main:
             self.save_draft(self.state, folder)
-        self.backend.save(folder / TRAINING_STATE)
+        self.strategy.save(folder / TRAINING_STATE)
         if distributed:
             torch.distributed.barrier()
         if self.is_main:

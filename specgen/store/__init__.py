@@ -3,7 +3,7 @@
 from specgen.store.manifest import (MANIFEST, merge_rejected, read_manifest, summarize_shards,
                                     write_manifest)
 from specgen.store.reader import ShardDataset, open_shards
-from specgen.store.schema import ShardSpec, arrow_schema
+from specgen.store.columns import ShardSpec, arrow_schema
 from specgen.store.writer import (ShardWriter, finished_shards, read_sidecar, remove_partial,
                                   shard_name)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specgen.data.prefixes import PrefixPlan
-from specgen.store.schema import ShardSpec, columns
+from specgen.store.columns import ShardSpec, columns
 
 
 class PrefixRefEncoder:

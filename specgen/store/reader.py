@@ -20,7 +20,7 @@ from specgen.errors import SpecgenError
 from specgen.store import fp8
 from specgen.store.manifest import MANIFEST, read_manifest
 from specgen.store.prefix_layout import reassemble_row
-from specgen.store.schema import Column, ShardSpec, arrow_schema, columns
+from specgen.store.columns import Column, ShardSpec, arrow_schema, columns
 from specgen.store.commit import HASH_ALGORITHM, checksum_problems
 from specgen.store.writer import finished_shards, sidecar_name
 

@@ -17,7 +17,7 @@ import torch
 
 from specgen.errors import SpecgenError
 from specgen.store.commit import HashingFile, commit_unit, disk_errors, numbered_files, tmp_path, write_json_atomic
-from specgen.store.schema import Column, ShardSpec, arrow_schema, columns
+from specgen.store.columns import Column, ShardSpec, arrow_schema, columns
 
 _SHARD_PATTERN = re.compile(r"shard-(\d{5,})\.arrow")
 _SIDECAR_PATTERN = re.compile(r"shard-(\d{5,})\.json")

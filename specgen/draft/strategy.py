@@ -1,6 +1,6 @@
 """How the draft is replicated and its optimizer stepped: plain/DDP (`distributed=ddp`) or DeepSpeed ZeRO-2
 (`distributed=zero2`). Both run under `accelerate launch` (or torchrun): accelerate's `Accelerator` joins the
-process group (gloo on CPU, nccl on GPU) and owns the trackers (TensorBoard); the backend wraps the model.
+process group (gloo on CPU, nccl on GPU) and owns the trackers (TensorBoard); the strategy wraps the model.
 
     accelerate launch --multi_gpu --num_processes 2 -m specgen.train ... distributed=ddp
     accelerate launch --multi_gpu --num_processes 2 -m specgen.train ... distributed=zero2
@@ -23,7 +23,7 @@ from specgen.store.commit import atomic_write
 BACKENDS = ("ddp", "deepspeed")
 
 
-class Backend(ABC):
+class Strategy(ABC):
     """A model + optimizer + scheduler, replicated over the processes of the run."""
 
     def __init__(self, model: nn.Module, device: torch.device, world_size: int, grad_accum: int, grad_clip: float):
@@ -62,7 +62,7 @@ class Backend(ABC):
         return tensor
 
 
-class DDPBackend(Backend):
+class DDPStrategy(Strategy):
     """torch DistributedDataParallel (or the bare module in a single process) with a plain optimizer."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, *, device: torch.device,
@@ -109,13 +109,13 @@ class DDPBackend(Backend):
         path = folder / "optimizer.pt"
         if not path.exists():
             raise SpecgenError(f"{path} is missing: this checkpoint was not written by distributed=ddp "
-                               "(resume with the backend that wrote it)")
+                               "(resume with the strategy that wrote it)")
         state = torch.load(path, map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
 
-class DeepSpeedBackend(Backend):
+class ZeroStrategy(Strategy):
     """DeepSpeed engine (ZeRO stage from the config, 2 by default): optimizer state and gradients are partitioned
     over the processes. DeepSpeed steps the scheduler and scales the loss for accumulation itself."""
 
@@ -152,5 +152,5 @@ class DeepSpeedBackend(Backend):
     def load(self, folder: Path) -> None:
         if not (folder / self.TAG).is_dir():
             raise SpecgenError(f"{folder / self.TAG} is missing: this checkpoint was not written by "
-                               "distributed=zero2 (resume with the backend that wrote it)")
+                               "distributed=zero2 (resume with the strategy that wrote it)")
         self.engine.load_checkpoint(str(folder), tag=self.TAG, load_module_strict=False)

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from specgen.distributed import Workers
+from specgen.ranks import Workers
 from specgen.errors import SpecgenError
 from specgen.progress import Progress
 
-log = logging.getLogger("specgen.distributed")
+log = logging.getLogger("specgen.ranks")
 
 RUNNING, DONE, FAILED = 0, 1, 2
 # How long a failing process waits for the heartbeat that tells the others, before exiting anyway.

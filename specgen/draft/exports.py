@@ -39,7 +39,7 @@ from specgen.draft.model import ARCHITECTURE, aux_layers_of, serving_layer_ids
 from specgen.errors import SpecgenError
 from specgen.store.commit import atomic_write, content_hash, write_json_atomic
 
-log = logging.getLogger("specgen.draft.formats")
+log = logging.getLogger("specgen.draft.exports")
 
 FORMATS = ("vllm", "sglang", "specforge", "speculators")
 CONFIG = "config.json"

@@ -1,7 +1,7 @@
 """Process-group glue for `accelerate launch` (torch.distributed): who am I, which work units are mine.
 
 Work is split into units numbered from the data (unit k = source rows [k*S, (k+1)*S)), never from the world size:
-generate's ranks claim unfinished units as they get to them (`specgen.distributed.claims`), regenerate's take the units
+generate's ranks claim unfinished units as they get to them (`specgen.ranks.claims`), regenerate's take the units
 with `unit % world_size == rank` (`Workers.owns`). A run started on 4 processes can therefore be resumed on 2, and a
 rank that died can be re-run alone, without changing any shard's content.
 """

@@ -26,7 +26,7 @@ from specgen.capture.target import DTYPES, CaptureOutput, TargetCapture, load_ta
 from specgen.errors import SpecgenError
 from specgen.runtime.dtype import resolve_model_dtype
 
-log = logging.getLogger("specgen.distributed")
+log = logging.getLogger("specgen.ranks")
 
 
 def checkpoint_dtype(model_path: str, requested: str, device: torch.device) -> torch.dtype:

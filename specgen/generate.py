@@ -50,6 +50,7 @@ from specgen.outdir import claim_output_dir, fingerprint
 from specgen.pipeline import BackgroundWriter, copy_to_host, prefetched, to_device
 from specgen.progress import format_table, human_bytes
 from specgen.runtime import load_tokenizer, resolve_device, resolve_model_dtype, set_threads
+from specgen.settings import filter_settings
 from specgen.store.manifest import merge_rejected, shard_checksums, summarize_shards, write_manifest
 from specgen.store.prefix_layout import PrefixRefEncoder, bytes_flat
 from specgen.store.commit import write_json_atomic
@@ -122,7 +123,7 @@ def target_for(cfg: DictConfig, tokenizer, capture: TargetCapture, prefix_reuse:
                      store_prefix_once=bool(cfg.output.store_prefix_once), **outputs.spec_fields())
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return Target(capture=capture, spec=spec, pad_id=pad_id, outputs=outputs,
-                  sample_filter=SampleFilter.from_config(cfg), prefix_reuse=prefix_reuse,
+                  sample_filter=filter_settings(cfg), prefix_reuse=prefix_reuse,
                   packing=bool(cfg.capture.packing) and capture.supports_packing)
 
 

@@ -1,0 +1,31 @@
+"""Components are built from their own typed settings, without Hydra; `specgen.settings` maps a stage's config."""
+
+import math
+
+import pytest
+
+from specgen.config import compose
+from specgen.errors import SpecgenError
+from specgen.filters import SampleFilter
+from specgen.settings import filter_settings
+
+
+def test_sample_filter_is_built_and_applied_without_hydra():
+    sample_filter = SampleFilter(min_mean_logprob=-3.0).check(token_logprobs=True)
+    rows = [{"source_index": i, "sample_id": f"s{i}", "mean_logprob": value, "input_ids": [1, 2, 3],
+             "loss_mask": [0, 1, 1]} for i, value in enumerate([-1.0, -5.0, math.nan])]
+    stats = {"samples": 3, "tokens": 9, "trainable_tokens": 6}
+    kept, rejected = sample_filter.apply(rows, stats)
+    assert [row["sample_id"] for row in kept] == ["s0", "s2"]
+    assert [entry["reason"] for entry in rejected] == ["mean_logprob_below_min"]
+    assert stats == {"samples": 2, "tokens": 6, "trainable_tokens": 4, "filtered_samples": 1, "filtered_tokens": 3}
+    with pytest.raises(SpecgenError, match="capture.token_logprobs=true"):
+        SampleFilter(max_mean_logprob=-0.1).check(token_logprobs=False)
+    assert SampleFilter().check(token_logprobs=False) == SampleFilter()
+
+
+def test_filter_settings_take_the_configured_values():
+    cfg = compose("generate", ["filter.min_mean_logprob=-3", "capture.token_logprobs=true"])
+    assert filter_settings(cfg) == SampleFilter(min_mean_logprob=-3, max_mean_logprob=None)
+    with pytest.raises(SpecgenError, match="capture.token_logprobs=true"):
+        filter_settings(compose("generate", ["filter.max_mean_logprob=-1"]))

@@ -50,7 +50,7 @@ from specgen.outdir import claim_output_dir, fingerprint
 from specgen.pipeline import BackgroundWriter, copy_to_host, prefetched, to_device
 from specgen.progress import format_table, human_bytes
 from specgen.runtime import load_tokenizer, resolve_device, resolve_model_dtype, set_threads
-from specgen.settings import filter_settings
+from specgen.settings import filter_settings, output_settings
 from specgen.store.manifest import merge_rejected, shard_checksums, summarize_shards, write_manifest
 from specgen.store.prefix_layout import PrefixRefEncoder, bytes_flat
 from specgen.store.commit import write_json_atomic
@@ -118,7 +118,7 @@ def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
 
 def target_for(cfg: DictConfig, tokenizer, capture: TargetCapture, prefix_reuse: bool) -> Target:
     dtype = str(capture.dtype).removeprefix("torch.")
-    outputs = SampleOutputs.from_config(cfg, capture)
+    outputs = SampleOutputs.from_settings(output_settings(cfg), capture)
     spec = ShardSpec(hidden_size=capture.hidden_size, num_aux=len(capture.aux_layers), dtype=dtype,
                      store_prefix_once=bool(cfg.output.store_prefix_once), **outputs.spec_fields())
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -386,7 +386,7 @@ def dataset_identity(cfg: DictConfig, model_config_hash: str, template_sha: str,
             "chat_template_sha256": template_sha, "data": to_container(cfg.data),
             "capture.aux_layers": to_container(cfg.capture).get("aux_layers"),
             "output.shard_size": cfg.output.shard_size, "output.store_prefix_once": cfg.output.store_prefix_once,
-            **output_identity(cfg)}
+            **output_identity(output_settings(cfg), target.sample_filter)}
 
 
 def build_manifest(cfg: DictConfig, out_dir: Path, target: Target, tokenizer, identity: dict) -> dict:

@@ -8,6 +8,7 @@ added, no conversion that would change a fingerprint), so the mapping from keys 
 
 from omegaconf import DictConfig
 
+from specgen.capture.outputs import OutputSettings
 from specgen.filters import SampleFilter
 
 
@@ -15,3 +16,11 @@ def filter_settings(cfg: DictConfig) -> SampleFilter:
     """`filter.*` -> the sample filter, refused when it needs `capture.token_logprobs` and that is off."""
     return SampleFilter(min_mean_logprob=cfg.filter.min_mean_logprob,
                         max_mean_logprob=cfg.filter.max_mean_logprob).check(bool(cfg.capture.token_logprobs))
+
+
+def output_settings(cfg: DictConfig) -> OutputSettings:
+    """`output.codec` and the `capture.*` output options, as configured."""
+    c = cfg.capture
+    return OutputSettings(codec=cfg.output.codec, logits=c.logits, topk=c.topk, token_logprobs=c.token_logprobs,
+                          logprob_temperature=c.logprob_temperature, pooled=c.pooled, pooled_layer=c.pooled_layer,
+                          lm_head_chunk_tokens=c.lm_head_chunk_tokens)

@@ -4,10 +4,11 @@ import math
 
 import pytest
 
+from specgen.capture.outputs import OutputSettings, identity
 from specgen.config import compose
 from specgen.errors import SpecgenError
 from specgen.filters import SampleFilter
-from specgen.settings import filter_settings
+from specgen.settings import filter_settings, output_settings
 
 
 def test_sample_filter_is_built_and_applied_without_hydra():
@@ -29,3 +30,14 @@ def test_filter_settings_take_the_configured_values():
     assert filter_settings(cfg) == SampleFilter(min_mean_logprob=-3, max_mean_logprob=None)
     with pytest.raises(SpecgenError, match="capture.token_logprobs=true"):
         filter_settings(compose("generate", ["filter.max_mean_logprob=-1"]))
+
+
+def test_output_settings_and_identity_keep_the_configured_values():
+    cfg = compose("generate", ["filter.min_mean_logprob=-3"])
+    assert output_settings(cfg) == OutputSettings(topk=20)  # the YAML defaults: everything off, K=20 unused
+    assert identity(output_settings(cfg), SampleFilter(min_mean_logprob=-3)) == {"filter.min_mean_logprob": -3}
+    cfg = compose("generate", ["output.codec=fp8", "capture.logits=topk", "capture.topk=5",
+                               "capture.token_logprobs=true", "capture.pooled=mean", "capture.pooled_layer=2"])
+    assert identity(output_settings(cfg), SampleFilter()) == {
+        "output.codec": "fp8", "capture.logits": "topk", "capture.topk": 5, "capture.token_logprobs": True,
+        "capture.logprob_temperature": 1.0, "capture.pooled": "mean", "capture.pooled_layer": 2}

@@ -9,6 +9,8 @@ added, no conversion that would change a fingerprint), so the mapping from keys 
 from omegaconf import DictConfig
 
 from specgen.capture.outputs import OutputSettings
+from specgen.config import to_container
+from specgen.distributed.zero import Zero3Settings
 from specgen.filters import SampleFilter
 
 
@@ -24,3 +26,10 @@ def output_settings(cfg: DictConfig) -> OutputSettings:
     return OutputSettings(codec=cfg.output.codec, logits=c.logits, topk=c.topk, token_logprobs=c.token_logprobs,
                           logprob_temperature=c.logprob_temperature, pooled=c.pooled, pooled_layer=c.pooled_layer,
                           lm_head_chunk_tokens=c.lm_head_chunk_tokens)
+
+
+def zero3_settings(cfg: DictConfig) -> Zero3Settings:
+    """`model.*` and `engine.*` (engine=deepspeed) for `load_zero3_target`."""
+    model, engine = to_container(cfg.model), to_container(cfg.engine)
+    return Zero3Settings(path=model["path"], dtype=model["dtype"], attn_implementation=model["attn_implementation"],
+                         dist_backend=engine["dist_backend"], config=engine["config"])

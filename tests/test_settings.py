@@ -8,7 +8,7 @@ from specgen.capture.outputs import OutputSettings, identity
 from specgen.config import compose
 from specgen.errors import SpecgenError
 from specgen.filters import SampleFilter
-from specgen.settings import filter_settings, output_settings
+from specgen.settings import filter_settings, output_settings, zero3_settings
 
 
 def test_sample_filter_is_built_and_applied_without_hydra():
@@ -41,3 +41,11 @@ def test_output_settings_and_identity_keep_the_configured_values():
     assert identity(output_settings(cfg), SampleFilter()) == {
         "output.codec": "fp8", "capture.logits": "topk", "capture.topk": 5, "capture.token_logprobs": True,
         "capture.logprob_temperature": 1.0, "capture.pooled": "mean", "capture.pooled_layer": 2}
+
+
+def test_zero3_settings_carry_the_model_and_deepspeed_config():
+    cfg = compose("generate", ["engine=deepspeed", "model.path=/m", "data.path=/d", "model.dtype=bfloat16"])
+    settings = zero3_settings(cfg)
+    assert (settings.path, settings.dtype, settings.attn_implementation, settings.dist_backend) == (
+        "/m", "bfloat16", "sdpa", "auto")
+    assert settings.config["zero_optimization"]["stage"] == 3 and isinstance(settings.config, dict)

@@ -50,7 +50,7 @@ from specgen.outdir import claim_output_dir, fingerprint
 from specgen.pipeline import BackgroundWriter, copy_to_host, prefetched, to_device
 from specgen.progress import format_table, human_bytes
 from specgen.runtime import load_tokenizer, resolve_device, resolve_model_dtype, set_threads
-from specgen.settings import filter_settings, output_settings, zero3_settings
+from specgen.settings import filter_settings, output_settings, vllm_capture_settings, zero3_settings
 from specgen.store.manifest import merge_rejected, shard_checksums, summarize_shards, write_manifest
 from specgen.store.prefix_layout import PrefixRefEncoder, bytes_flat
 from specgen.store.commit import write_json_atomic
@@ -88,7 +88,7 @@ def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
     if cfg.engine.name == "vllm":  # a vLLM engine computes the states (specgen.capture.vllm); imported lazily
         from specgen.capture.vllm import load_vllm_capture
 
-        return target_for(cfg, tokenizer, load_vllm_capture(cfg), prefix_reuse=False)
+        return target_for(cfg, tokenizer, load_vllm_capture(vllm_capture_settings(cfg)), prefix_reuse=False)
     if cfg.engine.name == "deepspeed":
         model, zero3_config, keepalive = load_zero3_target(zero3_settings(cfg), device)
     elif cfg.engine.name == "hf":

@@ -33,3 +33,16 @@ def zero3_settings(cfg: DictConfig) -> Zero3Settings:
     model, engine = to_container(cfg.model), to_container(cfg.engine)
     return Zero3Settings(path=model["path"], dtype=model["dtype"], attn_implementation=model["attn_implementation"],
                          dist_backend=engine["dist_backend"], config=engine["config"])
+
+
+def vllm_capture_settings(cfg: DictConfig):
+    """`model.*`, `engine.*`, `data.max_length`, `runtime.seed` and `capture.*` for `load_vllm_capture` (engine=vllm;
+    `specgen.capture.vllm` is imported only then)."""
+    from specgen.capture.vllm import VllmCaptureSettings
+
+    c = cfg.capture
+    return VllmCaptureSettings(path=cfg.model.path, dtype=cfg.model.dtype, engine=to_container(cfg.engine),
+                               max_length=cfg.data.max_length, seed=cfg.runtime.seed,
+                               aux_layers=to_container(c).get("aux_layers"), logits=c.logits,
+                               token_logprobs=c.token_logprobs, logprob_temperature=c.logprob_temperature,
+                               prefill_chunk_tokens=c.prefill_chunk_tokens)

@@ -1,14 +1,16 @@
 """Components are built from their own typed settings, without Hydra; `specgen.settings` maps a stage's config."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from specgen.capture.outputs import OutputSettings, identity
+from specgen.capture.vllm import check_options
 from specgen.config import compose
 from specgen.errors import SpecgenError
 from specgen.filters import SampleFilter
-from specgen.settings import filter_settings, output_settings, zero3_settings
+from specgen.settings import filter_settings, output_settings, vllm_capture_settings, zero3_settings
 
 
 def test_sample_filter_is_built_and_applied_without_hydra():
@@ -49,3 +51,18 @@ def test_zero3_settings_carry_the_model_and_deepspeed_config():
     assert (settings.path, settings.dtype, settings.attn_implementation, settings.dist_backend) == (
         "/m", "bfloat16", "sdpa", "auto")
     assert settings.config["zero_optimization"]["stage"] == 3 and isinstance(settings.config, dict)
+
+
+def test_vllm_capture_settings_are_checked_without_hydra():
+    cfg = compose("generate", ["engine=vllm", "model.path=/m", "data.path=/d", "capture.aux_layers=[1,2]",
+                               "capture.token_logprobs=true"])
+    settings = vllm_capture_settings(cfg)
+    assert (settings.path, settings.aux_layers, settings.max_length, settings.token_logprobs) == (
+        "/m", [1, 2], cfg.data.max_length, True)
+    assert settings.engine["enable_prefix_caching"] is True and isinstance(settings.engine, dict)
+    check_options(settings)  # nothing vLLM cannot do exactly
+    for changed, message in [({"logits": "topk"}, "capture.logits=topk"),
+                             ({"logprob_temperature": 0.5}, "capture.logprob_temperature=0.5"),
+                             ({"prefill_chunk_tokens": 64}, "engine.max_num_batched_tokens")]:
+        with pytest.raises(SpecgenError, match=message):
+            check_options(replace(settings, **changed))

@@ -2,9 +2,11 @@
 
 Components (`specgen.capture.*`, `specgen.filters`, `specgen.distributed.*`) never see a `DictConfig`: each takes a
 small frozen dataclass of its own settings, defined next to it, so it can be read, built and tested without Hydra.
-A stage builds those settings here, once, from its composed config; values are passed as configured (no defaults
+A stage builds them with the functions here from its composed config; values are passed as configured (no defaults
 added, no conversion that would change a fingerprint), so the mapping from keys to settings lives in one place.
 """
+
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
@@ -12,6 +14,9 @@ from specgen.capture.outputs import OutputSettings
 from specgen.config import to_container
 from specgen.distributed.zero import Zero3Settings
 from specgen.filters import SampleFilter
+
+if TYPE_CHECKING:
+    from specgen.capture.vllm import VllmCaptureSettings
 
 
 def filter_settings(cfg: DictConfig) -> SampleFilter:
@@ -35,7 +40,7 @@ def zero3_settings(cfg: DictConfig) -> Zero3Settings:
                          dist_backend=engine["dist_backend"], config=engine["config"])
 
 
-def vllm_capture_settings(cfg: DictConfig):
+def vllm_capture_settings(cfg: DictConfig) -> "VllmCaptureSettings":
     """`model.*`, `engine.*`, `data.max_length`, `runtime.seed` and `capture.*` for `load_vllm_capture` (engine=vllm;
     `specgen.capture.vllm` is imported only then)."""
     from specgen.capture.vllm import VllmCaptureSettings

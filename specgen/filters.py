@@ -11,24 +11,24 @@ A sample with no trainable position has a NaN `mean_logprob` and is never droppe
 import math
 from dataclasses import dataclass
 
-from omegaconf import DictConfig
-
 from specgen.data.prepare import Rejection
 from specgen.errors import SpecgenError
 
 
 @dataclass(frozen=True)
 class SampleFilter:
+    """The `filter.*` settings (values as configured) and the code that applies them; no Hydra needed."""
+
     min_mean_logprob: float | None = None
     max_mean_logprob: float | None = None
 
-    @classmethod
-    def from_config(cls, cfg: DictConfig) -> "SampleFilter":
-        sample_filter = cls(min_mean_logprob=cfg.filter.min_mean_logprob, max_mean_logprob=cfg.filter.max_mean_logprob)
-        if sample_filter.active and not cfg.capture.token_logprobs:
+    def check(self, token_logprobs: bool) -> "SampleFilter":
+        """This filter, refused in one line when it has a bound but `capture.token_logprobs` (which computes
+        `mean_logprob`) is off."""
+        if self.active and not token_logprobs:
             raise SpecgenError("filter.min_mean_logprob / filter.max_mean_logprob need the per-sample mean log-prob: "
                                "add capture.token_logprobs=true")
-        return sample_filter
+        return self
 
     @property
     def active(self) -> bool:

@@ -50,6 +50,7 @@ from specgen.outdir import claim_output_dir, fingerprint
 from specgen.pipeline import BackgroundWriter, copy_to_host, prefetched, to_device
 from specgen.progress import format_table, human_bytes
 from specgen.runtime import load_tokenizer, resolve_device, resolve_model_dtype, set_threads
+from specgen.settings import filter_settings, output_settings, vllm_capture_settings, zero3_settings
 from specgen.store.manifest import merge_rejected, shard_checksums, summarize_shards, write_manifest
 from specgen.store.prefix_layout import PrefixRefEncoder, bytes_flat
 from specgen.store.commit import write_json_atomic
@@ -87,9 +88,9 @@ def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
     if cfg.engine.name == "vllm":  # a vLLM engine computes the states (specgen.capture.vllm); imported lazily
         from specgen.capture.vllm import load_vllm_capture
 
-        return target_for(cfg, tokenizer, load_vllm_capture(cfg), prefix_reuse=False)
+        return target_for(cfg, tokenizer, load_vllm_capture(vllm_capture_settings(cfg)), prefix_reuse=False)
     if cfg.engine.name == "deepspeed":
-        model, zero3_config, keepalive = load_zero3_target(to_container(cfg.model), to_container(cfg.engine), device)
+        model, zero3_config, keepalive = load_zero3_target(zero3_settings(cfg), device)
     elif cfg.engine.name == "hf":
         model = load_target(cfg.model.path, dtype=cfg.model.dtype, device=str(device),
                             attn_implementation=cfg.model.attn_implementation)
@@ -117,12 +118,12 @@ def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
 
 def target_for(cfg: DictConfig, tokenizer, capture: TargetCapture, prefix_reuse: bool) -> Target:
     dtype = str(capture.dtype).removeprefix("torch.")
-    outputs = SampleOutputs.from_config(cfg, capture)
+    outputs = SampleOutputs.from_settings(output_settings(cfg), capture)
     spec = ShardSpec(hidden_size=capture.hidden_size, num_aux=len(capture.aux_layers), dtype=dtype,
                      store_prefix_once=bool(cfg.output.store_prefix_once), **outputs.spec_fields())
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return Target(capture=capture, spec=spec, pad_id=pad_id, outputs=outputs,
-                  sample_filter=SampleFilter.from_config(cfg), prefix_reuse=prefix_reuse,
+                  sample_filter=filter_settings(cfg), prefix_reuse=prefix_reuse,
                   packing=bool(cfg.capture.packing) and capture.supports_packing)
 
 
@@ -385,7 +386,7 @@ def dataset_identity(cfg: DictConfig, model_config_hash: str, template_sha: str,
             "chat_template_sha256": template_sha, "data": to_container(cfg.data),
             "capture.aux_layers": to_container(cfg.capture).get("aux_layers"),
             "output.shard_size": cfg.output.shard_size, "output.store_prefix_once": cfg.output.store_prefix_once,
-            **output_identity(cfg)}
+            **output_identity(output_settings(cfg), target.sample_filter)}
 
 
 def build_manifest(cfg: DictConfig, out_dir: Path, target: Target, tokenizer, identity: dict) -> dict:

@@ -13,7 +13,7 @@ from conftest import BUNDLED_CHAT, build_tiny_model
 from specgen import open_shards
 from specgen.assets import ASSETS_DIR
 from specgen.capture import load_target, make_capture
-from specgen.capture.outputs import SampleOutputs, trainable_positions
+from specgen.capture.outputs import OutputSettings, SampleOutputs, trainable_positions
 from specgen.config import compose
 from specgen.errors import SpecgenError
 from specgen.generate import run
@@ -215,6 +215,5 @@ def test_bad_options_are_refused(small_target, tmp_path, overrides, message):
 def test_targets_that_transform_their_logits_are_refused(small_target):
     model = load_target(small_target)
     model.config.final_logit_softcapping = 30.0  # what Gemma-2 does after its LM head
-    cfg = compose("generate", ["capture.token_logprobs=true"])
     with pytest.raises(SpecgenError, match="final_logit_softcapping"):
-        SampleOutputs.from_config(cfg, make_capture(model, None))
+        SampleOutputs.from_settings(OutputSettings(token_logprobs=True), make_capture(model, None))

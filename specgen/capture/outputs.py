@@ -2,7 +2,7 @@
 
 All of it comes from one capture (`CaptureOutput`) and the target's LM head; every option is off by default.
 
-    outputs = SampleOutputs.from_config(cfg, capture)
+    outputs = SampleOutputs.from_settings(settings, capture)   # settings: OutputSettings (the configured keys)
     outputs.add_columns(rows, out, input_ids)   # hidden states (bf16 or fp8) + the optional columns, on the CPU
 
 Conventions (public; docs/guides/generate.md "More from the same forward", recorded in the manifest):
@@ -33,11 +33,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import torch
-from omegaconf import DictConfig
 
 from specgen.capture.positions import position_chunks
 from specgen.capture.target import CaptureOutput, TargetCapture
 from specgen.errors import SpecgenError
+from specgen.filters import SampleFilter
 from specgen.store import fp8
 from specgen.store.columns import LOGITS, POOLED
 
@@ -56,6 +56,21 @@ def trainable_positions(loss_mask: torch.Tensor) -> torch.LongTensor:
 
 
 @dataclass(frozen=True)
+class OutputSettings:
+    """The output options as configured (`output.codec`, `capture.logits` ... `capture.lm_head_chunk_tokens`),
+    values as given: `SampleOutputs.from_settings` resolves and checks them, `identity` fingerprints them."""
+
+    codec: str | None = None  # output.codec
+    logits: str = "none"
+    topk: int = 0
+    token_logprobs: bool = False
+    logprob_temperature: float = 1.0
+    pooled: str = "none"
+    pooled_layer: str | int = "last"
+    lm_head_chunk_tokens: int = 1024
+
+
+@dataclass(frozen=True)
 class SampleOutputs:
     """The resolved output options and the code that turns one capture into shard rows."""
 
@@ -70,9 +85,9 @@ class SampleOutputs:
     lm_head_chunk_tokens: int = 1024
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, capture: TargetCapture) -> "SampleOutputs":
-        c = cfg.capture
-        outputs = cls(capture=capture, codec=resolve_codec(cfg.output.codec, capture.dtype), logits=c.logits,
+    def from_settings(cls, settings: OutputSettings, capture: TargetCapture) -> "SampleOutputs":
+        c = settings
+        outputs = cls(capture=capture, codec=resolve_codec(c.codec, capture.dtype), logits=c.logits,
                       topk=c.topk if c.logits == "topk" else 0, token_logprobs=bool(c.token_logprobs),
                       temperature=float(c.logprob_temperature), pooled=c.pooled, pooled_layer=c.pooled_layer,
                       lm_head_chunk_tokens=c.lm_head_chunk_tokens)
@@ -270,19 +285,19 @@ def resolve_codec(codec: str | None, target_dtype: torch.dtype) -> str:
                        "bit-exact) or fp8 (e4m3 with per-token scales, about half the bytes)")
 
 
-def identity(cfg: DictConfig) -> dict:
+def identity(settings: OutputSettings, sample_filter: SampleFilter) -> dict:
     """The output and filter options that change the dataset's bytes, for the resume fingerprint. Options left at
     their defaults are omitted, so directories written before these options existed keep their fingerprint."""
-    c = cfg.capture
-    chosen = {"output.codec": "fp8" if cfg.output.codec == "fp8" else None,
+    c = settings
+    chosen = {"output.codec": "fp8" if c.codec == "fp8" else None,
               "capture.logits": None if c.logits == "none" else c.logits,
               "capture.topk": c.topk if c.logits == "topk" else None,
               "capture.token_logprobs": True if c.token_logprobs else None,
               "capture.logprob_temperature": c.logprob_temperature if c.token_logprobs else None,
               "capture.pooled": None if c.pooled == "none" else c.pooled,
               "capture.pooled_layer": c.pooled_layer if c.pooled != "none" else None,
-              "filter.min_mean_logprob": cfg.filter.min_mean_logprob,
-              "filter.max_mean_logprob": cfg.filter.max_mean_logprob}
+              "filter.min_mean_logprob": sample_filter.min_mean_logprob,
+              "filter.max_mean_logprob": sample_filter.max_mean_logprob}
     return {key: value for key, value in chosen.items() if value is not None}
 
 

@@ -27,12 +27,12 @@ import itertools
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from omegaconf import DictConfig
 
 from specgen.capture.layers import default_aux_layers, validate_aux_layers
 from specgen.capture.target import DTYPES, CaptureOutput, TargetCapture
@@ -100,9 +100,26 @@ def load_final_norm(model: transformers.PreTrainedModel, path: str | Path) -> to
     return norm
 
 
-def check_options(cfg: DictConfig) -> None:
+@dataclass(frozen=True)
+class VllmCaptureSettings:
+    """What `load_vllm_capture` needs, as configured: the target (`model.path`, `model.dtype`), `engine.*` as a plain
+    dict (see `engine_kwargs`), `data.max_length` (the engine's default length), `runtime.seed` and the `capture.*`
+    options that bear on vLLM."""
+
+    path: str
+    dtype: str
+    engine: dict
+    max_length: int
+    seed: int = 0
+    aux_layers: list[int] | None = None
+    logits: str = "none"
+    token_logprobs: bool = False
+    logprob_temperature: float = 1.0
+    prefill_chunk_tokens: int | None = None
+
+
+def check_options(capture: VllmCaptureSettings) -> None:
     """Config-time refusals: what vLLM cannot produce exactly is an error, not an approximation."""
-    capture = cfg.capture
     if capture.logits != "none":
         raise SpecgenError(f"capture.logits={capture.logits} is not available with engine=vllm (the engine returns "
                            "log-probs, not logits); use engine=hf, or capture.token_logprobs=true")
@@ -281,20 +298,19 @@ def start_engine(path: str, dtype: torch.dtype, layer_ids: list[int], engine: di
                **engine_kwargs(engine))
 
 
-def load_vllm_capture(cfg: DictConfig) -> VllmCapture:
+def load_vllm_capture(settings: VllmCaptureSettings) -> VllmCapture:
     """The generate stage's capture for engine=vllm: options checked first (before the engine starts)."""
-    from specgen.config import to_container
-
-    check_options(cfg)
-    requested = cfg.capture.aux_layers
-    num_layers = transformers.AutoConfig.from_pretrained(cfg.model.path).get_text_config().num_hidden_layers
+    check_options(settings)
+    requested = settings.aux_layers
+    num_layers = transformers.AutoConfig.from_pretrained(settings.path).get_text_config().num_hidden_layers
     aux_layers = default_aux_layers(num_layers) if requested is None else validate_aux_layers(list(requested),
                                                                                             num_layers)
-    engine = to_container(cfg.engine)
-    max_model_len = engine.get("max_model_len") or int(cfg.data.max_length) + 1
-    return VllmCapture(cfg.model.path, dtype=cfg.model.dtype, aux_layers=aux_layers, engine=engine,
-                       max_model_len=max_model_len, token_logprobs=bool(cfg.capture.token_logprobs),
-                       seed=int(cfg.runtime.seed))
+    engine = settings.engine
+    max_model_len = engine.get("max_model_len") or int(settings.max_length) + 1
+    return VllmCapture(settings.path, dtype=settings.dtype, aux_layers=aux_layers, engine=engine,
+                       max_model_len=max_model_len, token_logprobs=bool(settings.token_logprobs),
+                       seed=int(settings.seed))
 
 
-__all__ = ["VllmCapture", "check_options", "load_vllm_capture", "meta_target", "require_vllm", "start_engine"]
+__all__ = ["VllmCapture", "VllmCaptureSettings", "check_options", "load_vllm_capture", "meta_target", "require_vllm",
+           "start_engine"]

@@ -16,7 +16,7 @@ batches runs a one-token dummy forward for as long as another one still has real
 import logging
 import os
 import warnings
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -144,17 +144,29 @@ class ZeroCapture(TargetCapture):
         return bool(flag.item())
 
 
-def load_zero3_target(model_cfg, engine_cfg, device: torch.device):
+@dataclass(frozen=True)
+class Zero3Settings:
+    """What `load_zero3_target` needs: the target (`model.path`, `model.dtype`, `model.attn_implementation`) and
+    the engine's (`engine.dist_backend`, `engine.config`: DeepSpeed's config as a plain dict)."""
+
+    path: str
+    dtype: str
+    attn_implementation: str
+    dist_backend: str
+    config: dict
+
+
+def load_zero3_target(settings: Zero3Settings, device: torch.device):
     """Load the target partitioned across the job's processes; returns (model, finished DeepSpeed config, keepalive).
 
     The keepalive (transformers' `HfDeepSpeedConfig`) must outlive the model: pass it to `ZeroCapture`.
     """
     from transformers.integrations import HfDeepSpeedConfig
 
-    init_deepspeed(engine_cfg["dist_backend"], device)
-    config = deepspeed_config(engine_cfg["config"], checkpoint_dtype(model_cfg["path"], model_cfg["dtype"], device))
+    init_deepspeed(settings.dist_backend, device)
+    config = deepspeed_config(settings.config, checkpoint_dtype(settings.path, settings.dtype, device))
     keepalive = HfDeepSpeedConfig(config)  # while alive, from_pretrained loads straight into ZeRO-3 partitions
     # device_map=None: DeepSpeed places the partitions (transformers refuses a device_map under ZeRO-3).
-    model = load_target(model_cfg["path"], dtype=model_cfg["dtype"], device=None,
-                        attn_implementation=model_cfg["attn_implementation"])
+    model = load_target(settings.path, dtype=settings.dtype, device=None,
+                        attn_implementation=settings.attn_implementation)
     return model, config, keepalive

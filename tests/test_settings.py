@@ -1,0 +1,68 @@
+"""Components are built from their own typed settings, without Hydra; `specgen.settings` maps a stage's config."""
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from specgen.capture.outputs import OutputSettings, identity
+from specgen.capture.vllm import check_options
+from specgen.config import compose
+from specgen.errors import SpecgenError
+from specgen.filters import SampleFilter
+from specgen.settings import filter_settings, output_settings, vllm_capture_settings, zero3_settings
+
+
+def test_sample_filter_is_built_and_applied_without_hydra():
+    sample_filter = SampleFilter(min_mean_logprob=-3.0).check(token_logprobs=True)
+    rows = [{"source_index": i, "sample_id": f"s{i}", "mean_logprob": value, "input_ids": [1, 2, 3],
+             "loss_mask": [0, 1, 1]} for i, value in enumerate([-1.0, -5.0, math.nan])]
+    stats = {"samples": 3, "tokens": 9, "trainable_tokens": 6}
+    kept, rejected = sample_filter.apply(rows, stats)
+    assert [row["sample_id"] for row in kept] == ["s0", "s2"]
+    assert [entry["reason"] for entry in rejected] == ["mean_logprob_below_min"]
+    assert stats == {"samples": 2, "tokens": 6, "trainable_tokens": 4, "filtered_samples": 1, "filtered_tokens": 3}
+    with pytest.raises(SpecgenError, match="capture.token_logprobs=true"):
+        SampleFilter(max_mean_logprob=-0.1).check(token_logprobs=False)
+    assert SampleFilter().check(token_logprobs=False) == SampleFilter()
+
+
+def test_filter_settings_take_the_configured_values():
+    cfg = compose("generate", ["filter.min_mean_logprob=-3", "capture.token_logprobs=true"])
+    assert filter_settings(cfg) == SampleFilter(min_mean_logprob=-3, max_mean_logprob=None)
+    with pytest.raises(SpecgenError, match="capture.token_logprobs=true"):
+        filter_settings(compose("generate", ["filter.max_mean_logprob=-1"]))
+
+
+def test_output_settings_and_identity_keep_the_configured_values():
+    cfg = compose("generate", ["filter.min_mean_logprob=-3"])
+    assert output_settings(cfg) == OutputSettings(topk=20)  # the YAML defaults: everything off, K=20 unused
+    assert identity(output_settings(cfg), SampleFilter(min_mean_logprob=-3)) == {"filter.min_mean_logprob": -3}
+    cfg = compose("generate", ["output.codec=fp8", "capture.logits=topk", "capture.topk=5",
+                               "capture.token_logprobs=true", "capture.pooled=mean", "capture.pooled_layer=2"])
+    assert identity(output_settings(cfg), SampleFilter()) == {
+        "output.codec": "fp8", "capture.logits": "topk", "capture.topk": 5, "capture.token_logprobs": True,
+        "capture.logprob_temperature": 1.0, "capture.pooled": "mean", "capture.pooled_layer": 2}
+
+
+def test_zero3_settings_carry_the_model_and_deepspeed_config():
+    cfg = compose("generate", ["engine=deepspeed", "model.path=/m", "data.path=/d", "model.dtype=bfloat16"])
+    settings = zero3_settings(cfg)
+    assert (settings.path, settings.dtype, settings.attn_implementation, settings.dist_backend) == (
+        "/m", "bfloat16", "sdpa", "auto")
+    assert settings.config["zero_optimization"]["stage"] == 3 and isinstance(settings.config, dict)
+
+
+def test_vllm_capture_settings_are_checked_without_hydra():
+    cfg = compose("generate", ["engine=vllm", "model.path=/m", "data.path=/d", "capture.aux_layers=[1,2]",
+                               "capture.token_logprobs=true"])
+    settings = vllm_capture_settings(cfg)
+    assert (settings.path, settings.aux_layers, settings.max_length, settings.token_logprobs) == (
+        "/m", [1, 2], cfg.data.max_length, True)
+    assert settings.engine["enable_prefix_caching"] is True and isinstance(settings.engine, dict)
+    check_options(settings)  # nothing vLLM cannot do exactly
+    for changed, message in [({"logits": "topk"}, "capture.logits=topk"),
+                             ({"logprob_temperature": 0.5}, "capture.logprob_temperature=0.5"),
+                             ({"prefill_chunk_tokens": 64}, "engine.max_num_batched_tokens")]:
+        with pytest.raises(SpecgenError, match=message):
+            check_options(replace(settings, **changed))

@@ -66,3 +66,17 @@ def test_vllm_capture_settings_are_checked_without_hydra():
                              ({"prefill_chunk_tokens": 64}, "engine.max_num_batched_tokens")]:
         with pytest.raises(SpecgenError, match=message):
             check_options(replace(settings, **changed))
+
+
+def test_vllm_capture_length_stays_within_the_model_positions():
+    """engine=vllm generates one token after each sample: data.max_length=2048 on a 2048-position model is a one-line
+    error naming the key to change (it was vLLM's pydantic traceback), 2047 fits, engine.max_model_len bounds it too."""
+    from specgen.capture.vllm import capture_model_len
+
+    assert capture_model_len(2047, None, 2048) == 2048
+    assert capture_model_len(512, 1024, 2048) == 1024
+    with pytest.raises(SpecgenError, match=r"^engine=vllm needs data.max_length \+ 1 = 2049 positions .* above the "
+                                           r"model's 2048 positions: pass data.max_length=2047 or less$"):
+        capture_model_len(2048, None, 2048)
+    with pytest.raises(SpecgenError, match=r"above engine.max_model_len=512: pass data.max_length=511 or less$"):
+        capture_model_len(1024, 512, 2048)

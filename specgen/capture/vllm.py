@@ -298,15 +298,29 @@ def start_engine(path: str, dtype: torch.dtype, layer_ids: list[int], engine: di
                **engine_kwargs(engine))
 
 
+def capture_model_len(max_length: int, asked: int | None, positions: int | None) -> int:
+    """vLLM's max_model_len for capture: a sample of data.max_length tokens plus the one token vLLM generates after
+    it. Past the model's positions (or engine.max_model_len) it is a one-line error before the engine starts, not
+    vLLM's traceback: data.max_length must leave that one position free."""
+    needed = int(max_length) + 1
+    for limit, name in ((asked, f"engine.max_model_len={asked}"), (positions, f"the model's {positions} positions")):
+        if limit and needed > limit:
+            raise SpecgenError(f"engine=vllm needs data.max_length + 1 = {needed} positions (vLLM generates one token "
+                               f"after each sample), above {name}: pass data.max_length={int(limit) - 1} or less")
+    return int(asked or needed)
+
+
 def load_vllm_capture(settings: VllmCaptureSettings) -> VllmCapture:
     """The generate stage's capture for engine=vllm: options checked first (before the engine starts)."""
     check_options(settings)
     requested = settings.aux_layers
-    num_layers = transformers.AutoConfig.from_pretrained(settings.path).get_text_config().num_hidden_layers
+    text_config = transformers.AutoConfig.from_pretrained(settings.path).get_text_config()
+    num_layers = text_config.num_hidden_layers
     aux_layers = default_aux_layers(num_layers) if requested is None else validate_aux_layers(list(requested),
                                                                                             num_layers)
     engine = settings.engine
-    max_model_len = engine.get("max_model_len") or int(settings.max_length) + 1
+    max_model_len = capture_model_len(settings.max_length, engine.get("max_model_len"),
+                                      getattr(text_config, "max_position_embeddings", None))
     return VllmCapture(settings.path, dtype=settings.dtype, aux_layers=aux_layers, engine=engine,
                        max_model_len=max_model_len, token_logprobs=bool(settings.token_logprobs),
                        seed=int(settings.seed))

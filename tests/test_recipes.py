@@ -26,7 +26,7 @@ SMALL = {
     "evaluate": {"evaluate.max_prompts": "1", "evaluate.max_new_tokens": "8"},
     "export": {},
 }
-COMMON = {"runtime.device": "cpu", "runtime.threads": "1", "runtime.progress": "false"}
+COMMON = {"runtime.device": "cpu", "runtime.threads": "1", "runtime.progress": "false"}  # every stage but export
 
 
 def header_commands(recipe: Path) -> list[tuple[str, list[str]]]:
@@ -43,6 +43,7 @@ def header_commands(recipe: Path) -> list[tuple[str, list[str]]]:
 
 def runnable(stage: str, args: list[str], tmp: Path) -> list[str]:
     """The command's arguments with its placeholder paths pointed at the tiny target, its sample and `tmp`."""
+    common = {} if stage == "export" else COMMON  # export loads no model: it has no runtime group
     out = []
     for arg in args:
         key, _, value = arg.partition("=")
@@ -52,9 +53,9 @@ def runnable(stage: str, args: list[str], tmp: Path) -> list[str]:
             value = str(HELDOUT if stage == "evaluate" else BUNDLED_CHAT)
         elif key in FOLDER_KEYS:
             value = str(tmp / value.strip("/").replace("/", "_"))
-        if key not in SMALL[stage] and key not in COMMON:
+        if key not in SMALL[stage] and key not in common:
             out.append(f"{key}={value}" if _ else arg)
-    return out + [f"{key}={value}" for key, value in {**SMALL[stage], **COMMON}.items()]
+    return out + [f"{key}={value}" for key, value in {**SMALL[stage], **common}.items()]
 
 
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))

@@ -312,6 +312,7 @@ def capture_model_len(max_length: int, asked: int | None, positions: int | None)
 
 def load_vllm_capture(settings: VllmCaptureSettings) -> VllmCapture:
     """The generate stage's capture for engine=vllm: options checked first (before the engine starts)."""
+    require_vllm()
     check_options(settings)
     requested = settings.aux_layers
     text_config = transformers.AutoConfig.from_pretrained(settings.path).get_text_config()

@@ -24,6 +24,9 @@ from specgen.capture.target import load_target
 from specgen.config import stage_main
 from specgen.data.prompts import Prompt, chat_prompt_ids, read_prompts
 from specgen.draft.checkpoint import load_draft, read_raw_config, specgen_info
+from specgen.draft.dflash import aux_layers_of as dflash_aux_layers
+from specgen.draft.dflash import method_of, require_method
+from specgen.draft.dflash_serving import dflash_generate, load_dflash
 from specgen.draft.model import aux_layers_of
 from specgen.draft.speculative import Generation, TargetRunner, greedy_generate, speculative_generate
 from specgen.errors import SpecgenError
@@ -40,7 +43,11 @@ def run(cfg: DictConfig) -> dict:
     if cfg.evaluate.turns not in TURNS:
         raise SpecgenError(f"evaluate.turns must be one of {list(TURNS)}, got {cfg.evaluate.turns!r}")
     set_threads(cfg.runtime.threads)
-    info = specgen_info(read_raw_config(cfg.draft.path))
+    raw = read_raw_config(cfg.draft.path)
+    method = method_of(raw)
+    if cfg.draft.method is not None:
+        require_method(raw, cfg.draft.method, str(cfg.draft.path), "specgen.evaluate")
+    info = specgen_info(raw)
     target_path = cfg.model.path or info.get("target", {}).get("path")
     if target_path is None:
         raise SpecgenError(f"the draft at {cfg.draft.path} does not record its target: pass model.path=TARGET")
@@ -48,9 +55,13 @@ def run(cfg: DictConfig) -> dict:
     model = load_target(target_path, dtype=cfg.model.dtype, device=str(device),
                         attn_implementation=cfg.model.attn_implementation)
     embedding = model.get_input_embeddings().weight.detach().float()
-    draft = load_draft(cfg.draft.path, embedding=embedding, target_config=model.config,
-                       foreign_ids=cfg.draft.foreign_aux_ids).to(device).eval()
-    aux_layers = aux_layers_of(draft.config)
+    if method == "dflash":
+        draft = load_dflash(cfg.draft.path, embedding=embedding).to(device).eval()
+        aux_layers = dflash_aux_layers(draft.config)
+    else:
+        draft = load_draft(cfg.draft.path, embedding=embedding, target_config=model.config,
+                           foreign_ids=cfg.draft.foreign_aux_ids).to(device).eval()
+        aux_layers = aux_layers_of(draft.config)
     num_layers = model.config.get_text_config().num_hidden_layers
     if max(aux_layers) >= num_layers or draft.config.target_hidden_size != embedding.shape[1]:
         raise SpecgenError(f"the draft reads aux layers {aux_layers} of size {draft.config.target_hidden_size} but "
@@ -86,8 +97,9 @@ def _evaluate_prompt(prompt: Prompt, target: TargetRunner, draft, tokenizer, cfg
         messages.append({"role": "user", "content": text})
         prompt_ids = chat_prompt_ids(tokenizer, messages)
         reference = greedy_generate(target, prompt_ids, max_new_tokens=cfg.evaluate.max_new_tokens, eos_ids=eos_ids)
-        speculative = speculative_generate(target, draft, prompt_ids, num_draft_tokens=cfg.evaluate.num_draft_tokens,
-                                           max_new_tokens=cfg.evaluate.max_new_tokens, eos_ids=eos_ids)
+        decode = dflash_generate if getattr(draft, "method", None) == "dflash" else speculative_generate
+        speculative = decode(target, draft, prompt_ids, num_draft_tokens=cfg.evaluate.num_draft_tokens,
+                             max_new_tokens=cfg.evaluate.max_new_tokens, eos_ids=eos_ids)
         results.append(_sample_record(prompt, turn, prompt_ids, reference, speculative))
         messages.append({"role": "assistant",
                          "content": tokenizer.decode(reference.tokens, skip_special_tokens=True)})

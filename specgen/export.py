@@ -15,6 +15,8 @@ from omegaconf import DictConfig
 from specgen.config import stage_main
 from specgen.draft import formats
 from specgen.draft.checkpoint import load_draft, read_raw_config, specgen_info
+from specgen.draft.dflash import method_of, require_method
+from specgen.draft.dflash_serving import load_dflash, save_dflash
 from specgen.draft.model import aux_layers_of
 from specgen.errors import SpecgenError
 from specgen.progress import format_table
@@ -39,7 +41,12 @@ def run(cfg: DictConfig) -> dict:
     if out_dir.resolve() == Path(cfg.draft.path).resolve():
         raise SpecgenError("output.dir is draft.path: export into another folder")
 
-    info = specgen_info(read_raw_config(cfg.draft.path))
+    raw = read_raw_config(cfg.draft.path)
+    if cfg.draft.method is not None:
+        require_method(raw, cfg.draft.method, str(cfg.draft.path), "specgen.export")
+    if method_of(raw) == "dflash":
+        return _export_dflash(cfg, out_dir)
+    info = specgen_info(raw)
     target = cfg.model.path or info.get("target", {}).get("path")
     target_config = transformers.AutoConfig.from_pretrained(target) if target and Path(target).is_dir() else None
     draft = load_draft(cfg.draft.path, target_config=target_config, foreign_ids=cfg.draft.foreign_aux_ids)
@@ -63,6 +70,27 @@ def run(cfg: DictConfig) -> dict:
         ("weights", summary["dtype"]),
     ]))
     return summary
+
+
+def _export_dflash(cfg: DictConfig, out_dir: Path) -> dict:
+    """A DFlash draft in the one layout that serves it (vLLM `method="dflash"`, specgen.draft.dflash_serving)."""
+    if cfg.export.format != "vllm":
+        raise SpecgenError(f"{cfg.draft.path} is a DFlash draft: export.format={cfg.export.format} holds EAGLE-3 "
+                           "drafts only; use export.format=vllm (served with method=dflash)")
+    draft = load_dflash(cfg.draft.path)
+    info = {**draft.config.specgen, "exported_from": str(Path(cfg.draft.path).resolve())}
+    info.pop("checksums", None)
+    if cfg.model.path:
+        info["target"] = {**info.get("target", {}), "path": str(cfg.model.path)}
+    with hold_lease(out_dir, stage="export"):
+        save_dflash(draft, out_dir, info, dtype=DTYPES[cfg.export.dtype] if cfg.export.dtype else None)
+    ids = draft.config.dflash_config["target_layer_ids"]
+    print(format_table([
+        ("exported", f"{cfg.draft.path} -> {out_dir} (DFlash, vLLM method=dflash)"),
+        ("target layers", f"{ids} (0-based decoder-layer outputs = dflash_config.target_layer_ids)"),
+    ]))
+    return {"format": "vllm", "method": "dflash", "output": str(out_dir), "aux_layers": ids,
+            "target_layer_ids": ids}
 
 
 def _ids_written(config: dict) -> list[int]:

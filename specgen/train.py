@@ -10,7 +10,9 @@ loop. output.dir receives config.json + model.safetensors (servable by vLLM/SGLa
 logs and training_state/ (for train.resume=true).
 """
 
+import json
 import logging
+import math
 import shutil
 import time
 from dataclasses import dataclass
@@ -32,11 +34,12 @@ from specgen.draft.checkpoint import (
     CONFIG,
     WEIGHTS,
     load_draft,
-    read_draft_config,
     save_draft,
     set_embedding,
     specgen_info,
 )
+from specgen.draft import dflash_serving
+from specgen.draft.dflash import DFlashDraft, DFlashObjective, dflash_config, is_dflash_config
 from specgen.draft.distributed import DDPBackend, DeepSpeedBackend
 from specgen.draft.model import Eagle3Draft, aux_layers_of, draft_config
 from specgen.draft.offline import OfflineBatches
@@ -140,8 +143,14 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
     torch.manual_seed(cfg.runtime.seed)
     draft = build_draft(cfg, data, out_dir if resume else None).to(device)
     mask_shift = _mask_shift(cfg)
-    objective = TTTObjective(draft, ttt_length=cfg.train.ttt_length, decay=cfg.train.ttt_decay,
-                             mask_shift=mask_shift, drop_out_of_vocab=cfg.train.out_of_vocab == "drop")
+    if isinstance(draft, DFlashDraft):  # DFlash scores the predicted token: target positions as mask_shift 2
+        mask_shift = 2
+        objective = DFlashObjective(draft, max_anchors=cfg.draft.dflash.max_anchors,
+                                    gamma=cfg.draft.dflash.loss_decay_gamma, seed=cfg.runtime.seed,
+                                    drop_out_of_vocab=cfg.train.out_of_vocab == "drop")
+    else:
+        objective = TTTObjective(draft, ttt_length=cfg.train.ttt_length, decay=cfg.train.ttt_decay,
+                                 mask_shift=mask_shift, drop_out_of_vocab=cfg.train.out_of_vocab == "drop")
     head = TargetHead(data.lm_head.to(device), _mapping_of(draft), chunk_tokens=cfg.capture.lm_head_chunk_tokens)
 
     steps_per_epoch = data.source.batches_per_epoch() // cfg.train.grad_accum
@@ -163,7 +172,8 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
 
     def save(state: TrainerState) -> None:
         lease.check()
-        save_draft(draft, out_dir, {**info, "step": state.step, "epoch": state.epoch})
+        saver = dflash_serving.save_dflash if isinstance(draft, DFlashDraft) else save_draft
+        saver(draft, out_dir, {**info, "step": state.step, "epoch": state.epoch})
 
     probe = acceptance_probe(cfg, data, device) if is_main and cfg.train.eval_every else None
     if cfg.train.tensorboard:
@@ -171,7 +181,7 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
     trainer = DraftTrainer(
         backend=backend, head=head, source=data.source, out_dir=out_dir, save_draft=save, is_main=is_main,
         settings=LoopSettings(total_steps=total_steps, grad_accum=cfg.train.grad_accum,
-                              ttt_decay=cfg.train.ttt_decay, log_every=cfg.train.log_every,
+                              ttt_decay=_logged_decay(cfg, draft), log_every=cfg.train.log_every,
                               save_every=cfg.train.save_every, autocast_dtype=_autocast_dtype(cfg, device),
                               mask_shift=mask_shift, eval_every=cfg.train.eval_every),
         log_tracker=accelerator.log if cfg.train.tensorboard else None, progress=cfg.runtime.progress,
@@ -179,7 +189,7 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
         probe=(lambda: probe(draft)) if probe is not None else None)
     if resume:
         trainer.resume()
-        weights_step = specgen_info(read_draft_config(out_dir)).get("step")
+        weights_step = specgen_info(json.loads((out_dir / CONFIG).read_text())).get("step")
         if weights_step != trainer.state.step:
             raise SpecgenError(f"{out_dir} holds weights of step {weights_step} but training state of step "
                                f"{trainer.state.step}: the run was killed while saving; restart without "
@@ -315,7 +325,9 @@ def build_draft(cfg: DictConfig, data: TrainingData, resume_from: Path | None) -
         raise SpecgenError(f"draft.init_lm_head={cfg.draft.init_lm_head!r}; use target (the target's LM head rows "
                            "of the draft vocabulary) or random")
     start_from = resume_from or cfg.draft.init
-    if start_from is not None:
+    if cfg.draft.method == "dflash" or (start_from is not None and _is_dflash(start_from)):
+        draft = _dflash_draft(cfg, data, start_from)
+    elif start_from is not None:
         draft = load_draft(start_from, embedding=data.embedding, target_config=data.target_config,
                            foreign_ids=cfg.draft.foreign_aux_ids)
         recorded = aux_layers_of(draft.config)
@@ -330,6 +342,55 @@ def build_draft(cfg: DictConfig, data: TrainingData, resume_from: Path | None) -
         draft = _fresh_draft(cfg, data)
     draft.lm_head.weight.requires_grad_(not cfg.draft.freeze_lm_head)
     return draft
+
+
+def _is_dflash(path) -> bool:
+    return (Path(path) / CONFIG).is_file() and is_dflash_config(json.loads((Path(path) / CONFIG).read_text()))
+
+
+def _dflash_draft(cfg: DictConfig, data: TrainingData, start_from) -> DFlashDraft:
+    """A DFlash draft (draft.method=dflash): from `start_from` (resume / draft.init), else fresh: vocabulary from
+    the token counts, target-shaped Qwen3 layers, LM head per draft.init_lm_head (specgen.draft.dflash)."""
+    if start_from is not None:
+        if cfg.draft.method != "dflash" or not _is_dflash(start_from):
+            found = "dflash" if _is_dflash(start_from) else "eagle3"
+            raise SpecgenError(f"{start_from} holds a {found} draft but draft.method={cfg.draft.method}; pass "
+                               f"draft.method={found}")
+        draft = dflash_serving.load_dflash(start_from, embedding=data.embedding)
+        if draft.config.dflash_config["target_layer_ids"] != data.aux_layers:
+            raise SpecgenError(f"the DFlash draft at {start_from} reads target layers "
+                               f"{draft.config.dflash_config['target_layer_ids']} but the data has {data.aux_layers}")
+        return draft
+    text = data.target_config.get_text_config()
+    mask_token_id = cfg.draft.dflash.mask_token_id
+    if mask_token_id is None:
+        mask_token_id = getattr(text, "pad_token_id", None)
+        if mask_token_id is None:
+            raise SpecgenError("draft.method=dflash needs a mask token and the target names no pad_token_id: pass "
+                               "draft.dflash.mask_token_id=ID (a token that replies do not use)")
+    mapping = build_vocab_mapping(vocab_counts(cfg, data), text.vocab_size, cfg.draft.vocab_size,
+                                  counted={"target": "the target's top tokens at trainable positions"}.get(
+                                      cfg.draft.vocab_source, "the trained tokens"))
+    config = dflash_config(data.target_config, aux_layers=data.aux_layers, draft_vocab_size=mapping.draft_vocab_size,
+                           num_layers=cfg.draft.dflash.num_layers, block_size=cfg.draft.dflash.block_size,
+                           mask_token_id=int(mask_token_id), causal=cfg.draft.dflash.causal,
+                           overrides=to_container(cfg.draft.overrides))
+    draft = DFlashDraft(config)
+    draft.d2t.copy_(mapping.d2t)
+    draft.t2d.copy_(mapping.t2d)
+    dflash_serving.set_dflash_embedding(draft, data.embedding)
+    if cfg.draft.init_lm_head == "target":
+        draft.init_lm_head_from_target(data.lm_head)
+    return draft
+
+
+def _logged_decay(cfg: DictConfig, draft) -> float:
+    """The per-step weight of the logged `loss` (step_metrics): ttt_decay, or for DFlash exp(-1/gamma), the ratio of
+    neighbouring slot weights (the logged loss is then the sum over slots of weight x mean KL)."""
+    if not isinstance(draft, DFlashDraft):
+        return cfg.train.ttt_decay
+    gamma = cfg.draft.dflash.loss_decay_gamma
+    return math.exp(-1 / gamma) if gamma else 1.0
 
 
 def _fresh_draft(cfg: DictConfig, data: TrainingData) -> Eagle3Draft:

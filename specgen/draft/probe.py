@@ -11,6 +11,7 @@ run are comparable, and the figure of the last call equals `specgen.evaluate`'s 
 import time
 
 from specgen.data.prompts import Prompt, chat_prompt_ids
+from specgen.draft.dflash_serving import dflash_generate
 from specgen.draft.model import Eagle3Draft
 from specgen.draft.speculative import TargetRunner, speculative_generate
 from specgen.errors import SpecgenError
@@ -35,8 +36,9 @@ class AcceptanceProbe:
         draft.eval()
         try:
             for ids in self.prompt_ids:
-                generation = speculative_generate(self.target, draft, ids, num_draft_tokens=self.num_draft_tokens,
-                                                  max_new_tokens=self.max_new_tokens, eos_ids=self.eos_ids)
+                decode = dflash_generate if getattr(draft, "method", None) == "dflash" else speculative_generate
+                generation = decode(self.target, draft, ids, num_draft_tokens=self.num_draft_tokens,
+                                    max_new_tokens=self.max_new_tokens, eos_ids=self.eos_ids)
                 rounds += generation.verification_rounds
                 accepted += sum(generation.accepted)
         finally:

@@ -476,7 +476,7 @@ def _print_summary(out_dir: Path, data: TrainingData, draft: Eagle3Draft, state:
     accuracies = " ".join(f"{metrics[k]:.2f}" for k in sorted((k for k in metrics if k.startswith("acc_")),
                                                               key=lambda k: int(k.split("_")[1])))
     print(format_table([
-        ("checkpoint", f"{out_dir} (config.json + model.safetensors, servable as LlamaForCausalLMEagle3)"),
+        ("checkpoint", f"{out_dir} (config.json + model.safetensors, servable as {draft.config.architectures[0]})"),
         ("data", data.description),
         ("draft", f"{sum(p.numel() for p in draft.trainable_parameters()) / 1e6:.2f}M trainable parameters, "
                   f"vocabulary {draft.config.draft_vocab_size} of {draft.config.vocab_size}"),

@@ -211,3 +211,25 @@ def test_a_resumed_dflash_run_ends_with_the_same_weights(tmp_path):
     for name, tensor in straight.state_dict().items():
         if name != "embed_tokens.weight":  # the target's, not stored
             assert torch.equal(resumed.state_dict()[name], tensor), name
+
+
+def test_export_writes_the_dflash_layout_and_refuses_eagle_formats(target_config, tmp_path):
+    from safetensors.torch import load_file
+
+    from specgen.config import compose
+    from specgen.export import run as export
+
+    save_dflash(tiny_draft(target_config, vocab=1024), tmp_path / "ckpt", {"target": {"path": str(TARGET)}})
+    summary = export(compose("export", [f"draft.path={tmp_path / 'ckpt'}", f"output.dir={tmp_path / 'out'}",
+                                        "export.dtype=bfloat16"]))
+    assert summary["method"] == "dflash" and summary["target_layer_ids"] == AUX
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["dtype"] == "bfloat16"
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    assert tensors["fc.weight"].dtype == torch.bfloat16 and "embed_tokens.weight" not in tensors
+    with pytest.raises(SpecgenError, match="is a DFlash draft: export.format=sglang holds EAGLE-3 drafts only"):
+        export(compose("export", [f"draft.path={tmp_path / 'ckpt'}", f"output.dir={tmp_path / 'x'}",
+                                  "export.format=sglang"]))
+    with pytest.raises(SpecgenError, match="is a dflash draft but specgen.export was asked for draft.method=eagle3"):
+        export(compose("export", [f"draft.path={tmp_path / 'ckpt'}", f"output.dir={tmp_path / 'y'}",
+                                  "draft.method=eagle3"]))

@@ -27,7 +27,7 @@ QUIET = ["runtime.progress=false", "runtime.threads=1"]
 
 
 # name: (training overrides, K served); the second is causal within the block, 2 layers, served with K < block - 1
-CONFIGS = {"bidirectional": (["draft.dflash.block_size=5"], 4),
+CONFIGS = {"bidirectional": (["draft.dflash.block_size=5", "draft.dflash.num_layers=1"], 4),
            "causal": (["draft.dflash.block_size=5", "draft.dflash.causal=true", "draft.dflash.num_layers=2"], 3)}
 
 

@@ -249,7 +249,8 @@ def test_export_writes_the_dflash_layout_and_refuses_eagle_formats(target_config
     assert config["architectures"] == ["DFlashDraftModel"] and config["dtype"] == "bfloat16"
     tensors = load_file(tmp_path / "out" / "model.safetensors")
     assert tensors["fc.weight"].dtype == torch.bfloat16 and "embed_tokens.weight" not in tensors
-    with pytest.raises(SpecgenError, match="^a DFlash draft exports as export.format=vllm only .*; sglang holds EAGLE-3 drafts$"):
+    with pytest.raises(SpecgenError, match="^a DFlash draft exports as export.format=vllm only .*; sglang holds "
+                                           "EAGLE-3 drafts$"):
         export(compose("export", [f"draft.path={tmp_path / 'ckpt'}", f"output.dir={tmp_path / 'x'}",
                                   "export.format=sglang"]))
     with pytest.raises(SpecgenError, match="holds a dflash draft but draft.method=eagle3"):

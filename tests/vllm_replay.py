@@ -1,7 +1,7 @@
 """Replay specgen.evaluate's prompts in vLLM (its CPU build), greedy, and report what vLLM itself counted.
 
-    python tests/vllm_replay.py SAMPLES_JSONL OUT_JSON --target DIR [--draft DIR [--parallel-drafting | --method dflash]]
-                                [--k 4] [--max-new-tokens N]
+    python tests/vllm_replay.py SAMPLES_JSONL OUT_JSON --target DIR
+                                [--draft DIR [--parallel-drafting | --method dflash]] [--k 4] [--max-new-tokens N]
     python tests/vllm_replay.py SAMPLES_JSONL OUT_JSON --speculators DIR      # no method flag: vLLM reads the
                                                                              # speculators_config in DIR/config.json
 SAMPLES_JSONL is specgen.evaluate's samples.jsonl (prompt_token_ids per turn). OUT_JSON receives the output token ids

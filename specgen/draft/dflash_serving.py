@@ -58,7 +58,8 @@ def read_config(path: str | Path) -> transformers.Qwen3Config:
 
 
 def load_dflash(path: str | Path, embedding: torch.Tensor | None = None) -> DFlashDraft:
-    """A DFlash checkpoint (as `save_dflash` writes it); `embedding` is the target's input embedding."""
+    """A DFlash checkpoint (as `save_draft` writes it through `DFlashMethod.export`); `embedding` is the target's
+    input embedding."""
     folder = Path(path)
     config = read_config(folder)
     damaged = checksum_problems({exports.WEIGHTS: folder / exports.WEIGHTS},

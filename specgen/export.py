@@ -39,7 +39,9 @@ def run(cfg: DictConfig) -> dict:
     if out_dir.resolve() == Path(cfg.draft.path).resolve():
         raise SpecgenError("output.dir is draft.path: export into another folder")
 
-    info = specgen_info(read_raw_config(cfg.draft.path))
+    raw = read_raw_config(cfg.draft.path)
+    methods.resolve(cfg.draft.method, raw, cfg.draft.path)  # a method mismatch fails here, before any loading
+    info = specgen_info(raw)
     target = cfg.model.path or info.get("target", {}).get("path")
     target_config = transformers.AutoConfig.from_pretrained(target) if target and Path(target).is_dir() else None
     draft = load_draft(cfg.draft.path, target_config=target_config, foreign_ids=cfg.draft.foreign_aux_ids,
@@ -56,20 +58,27 @@ def run(cfg: DictConfig) -> dict:
                                                      verifier=target)
     with hold_lease(out_dir, stage="export"):  # another job writing output.dir is refused in one line
         exports.write_files(out_dir, config, tensors)
-    summary = {"format": fmt, "output": str(out_dir), "aux_layers": aux_layers_of(draft.config),
-               "eagle_aux_hidden_state_layer_ids": _ids_written(config), "dtype": exports.stored_dtype(tensors)}
+    method = methods.of_model(draft).name
+    ids_key, ids, meaning = _ids_written(config, fmt)
+    summary = {"format": fmt, "method": method, "output": str(out_dir), "aux_layers": aux_layers_of(draft.config),
+               ids_key: ids, "dtype": exports.stored_dtype(tensors)}
     print(format_table([
-        ("exported", f"{cfg.draft.path} -> {out_dir} ({fmt})"),
-        ("aux layers", f"{summary['aux_layers']} (0-based decoder-layer outputs), written as "
-                       f"{summary['eagle_aux_hidden_state_layer_ids']}: {exports.ID_MEANING[fmt]}"),
+        ("exported", f"{cfg.draft.path} -> {out_dir} ({fmt}, {method})"),
+        ("aux layers", f"{summary['aux_layers']} (0-based decoder-layer outputs), written as {ids_key} "
+                       f"{ids}: {meaning}"),
         ("weights", summary["dtype"]),
     ]))
     return summary
 
 
-def _ids_written(config: dict) -> list[int]:
-    return (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or \
+def _ids_written(config: dict, fmt: str) -> tuple[str, list[int], str]:
+    """(field name, ids, what they mean) of the aux layers as the exported config.json records them."""
+    if "dflash_config" in config:
+        return ("target_layer_ids", config["dflash_config"]["target_layer_ids"],
+                "dflash_config.target_layer_ids = the aux layers (vLLM reads them as eagle aux ids + 1)")
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or \
         config["eagle_aux_hidden_state_layer_ids"]
+    return "eagle_aux_hidden_state_layer_ids", ids, exports.ID_MEANING[fmt]
 
 
 main = stage_main("export")(run)

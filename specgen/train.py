@@ -35,7 +35,7 @@ from specgen.draft.checkpoint import (
     WEIGHTS,
     Checkpoints,
     load_draft,
-    read_draft_config,
+    read_raw_config,
     save_draft,
     specgen_info,
 )
@@ -145,8 +145,10 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
     torch.manual_seed(cfg.runtime.seed)
     draft = build_draft(cfg, data, resume_from).to(device)
     mask_shift = _mask_shift(cfg)
-    method, train_cfg = methods.of_model(draft), {**to_container(cfg.train), "seed": cfg.runtime.seed}
+    method = methods.of_model(draft)
+    train_cfg = {**to_container(cfg.train), "seed": cfg.runtime.seed, "draft": to_container(cfg.draft)}
     objective = method.objective(draft, train_cfg=train_cfg, mask_shift=mask_shift)
+    mask_shift = getattr(objective, "mask_shift", mask_shift)  # DFlash always scores the predicted token (2)
     head = TargetHead(data.lm_head.to(device), _mapping_of(draft), chunk_tokens=cfg.capture.lm_head_chunk_tokens)
 
     steps_per_epoch = data.source.batches_per_epoch() // cfg.train.grad_accum
@@ -186,7 +188,7 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
         probe=(lambda: probe(draft)) if probe is not None else None)
     if resume:
         trainer.resume(resume_from)
-        weights_step = specgen_info(read_draft_config(resume_from)).get("step")
+        weights_step = specgen_info(read_raw_config(resume_from)).get("step")
         if weights_step != trainer.state.step:  # only a checkpoint of the layout before checkpoints/ can differ
             raise SpecgenError(f"{resume_from} holds weights of step {weights_step} but training state of step "
                                f"{trainer.state.step}: the run was killed while saving; restart without "
@@ -441,7 +443,7 @@ def _print_summary(out_dir: Path, data: TrainingData, draft: Eagle3Draft, state:
     accuracies = " ".join(f"{metrics[k]:.2f}" for k in sorted((k for k in metrics if k.startswith("acc_")),
                                                               key=lambda k: int(k.split("_")[1])))
     print(format_table([
-        ("checkpoint", f"{out_dir} (config.json + model.safetensors, servable as LlamaForCausalLMEagle3)"),
+        ("checkpoint", f"{out_dir} (config.json + model.safetensors, servable as {draft.config.architectures[0]})"),
         ("data", data.description),
         *([("target dtype", data.target_dtype)] if data.target_dtype else []),
         ("draft", f"{sum(p.numel() for p in draft.trainable_parameters()) / 1e6:.2f}M trainable parameters, "

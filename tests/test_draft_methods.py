@@ -173,8 +173,10 @@ def demo_shards(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("method,extra", [("eagle3.1", []), ("p-eagle", ["train.cod_ratio=0.7"])])
-def test_train_evaluate_and_export_each_method(demo_shards, tmp_path, method, extra):
+@pytest.mark.parametrize("method,extra,fmt", [("eagle3.1", [], "speculators"),
+                                               ("p-eagle", ["train.cod_ratio=0.7"], "speculators"),
+                                               ("dflash", ["draft.dflash.block_size=4"], "vllm")])
+def test_train_evaluate_and_export_each_method(demo_shards, tmp_path, method, extra, fmt):
     """The same shards train each method through the one trainer; evaluate decodes it losslessly; resume is exact."""
     from specgen.evaluate import run as evaluate
     from specgen.export import run as export
@@ -195,5 +197,5 @@ def test_train_evaluate_and_export_each_method(demo_shards, tmp_path, method, ex
                                            "runtime.progress=false"]))
     assert report["matches_target_greedy"] and report["verification_rounds"] > 0
     export(compose("export", [f"draft.path={tmp_path / 'a'}", f"output.dir={tmp_path / 'spec'}",
-                              "export.format=speculators"]))
+                              f"export.format={fmt}"]))
     assert load_draft(tmp_path / "spec").method_name == method

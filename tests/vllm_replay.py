@@ -1,7 +1,7 @@
 """Replay specgen.evaluate's prompts in vLLM (its CPU build), greedy, and report what vLLM itself counted.
 
-    python tests/vllm_replay.py SAMPLES_JSONL OUT_JSON --target DIR [--draft DIR [--parallel-drafting]] [--k 4]
-                                [--max-new-tokens N]
+    python tests/vllm_replay.py SAMPLES_JSONL OUT_JSON --target DIR
+                                [--draft DIR [--parallel-drafting | --method dflash]] [--k 4] [--max-new-tokens N]
     python tests/vllm_replay.py SAMPLES_JSONL OUT_JSON --speculators DIR      # no method flag: vLLM reads the
                                                                              # speculators_config in DIR/config.json
 SAMPLES_JSONL is specgen.evaluate's samples.jsonl (prompt_token_ids per turn). OUT_JSON receives the output token ids
@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--target")
     parser.add_argument("--draft")
     parser.add_argument("--speculators")
+    parser.add_argument("--method", default="eagle3")  # eagle3 | dflash: speculative_config.method for --draft
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, required=True)
     parser.add_argument("--dtype", default="float32")
@@ -51,7 +52,7 @@ def main() -> None:
     if args.speculators:
         llm = LLM(model=args.speculators, **options)  # the speculators config names the target and the method
     else:
-        spec = ({"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.k}
+        spec = ({"method": args.method, "model": args.draft, "num_speculative_tokens": args.k}
                 if args.draft else None)
         if spec and args.parallel_drafting:
             spec["parallel_drafting"] = True

@@ -7,7 +7,8 @@
                                       output fed to the next step (norm_output), vLLM / speculators flags
     p-eagle    specgen.draft.peagle   parallel drafting: the EAGLE-3 layer proposes all K tokens in one forward
                                       (mask token + learned mask_hidden in the K-1 slots after the bonus token)
-    dflash     specgen.draft.dflash   reserved (the block-diffusion draft)
+    dflash     specgen.draft.dflash   block diffusion: Qwen3 layers over [target context ; bonus token + K masks]
+                                      propose all K tokens in one forward (vLLM qwen3_dflash)
 
 A method module exposes `METHODS: dict[str, DraftMethod]`; registering a new method is one line in `MODULES`.
 The trainer, `specgen.evaluate`, `specgen.export` and `load_draft` only call what `DraftMethod` lists, so a new
@@ -64,7 +65,9 @@ class DraftMethod(Protocol):
     def objective(self, draft: nn.Module, *, train_cfg: dict, mask_shift: int) -> nn.Module:
         """The training step as one module: forward(input_ids, loss_mask, aux_hidden_states, target_probs,
         target_argmax, position_ids, document_ids) -> (loss, stats); `stats` is a float64 tensor of sums (added
-        over micro-steps and processes before `metrics` reads it)."""
+        over micro-steps and processes before `metrics` reads it). `train_cfg` is the train section plus `seed`
+        (runtime.seed) and `draft` (the draft section). An objective whose loss needs other target positions
+        than train.loss_mask's has a `mask_shift` attribute, which the trainer then uses (DFlash: always 2)."""
 
     def metrics(self, stats: torch.Tensor, train_cfg: dict) -> dict[str, float]:
         """metrics.jsonl fields from summed stats: at least loss, acc_0, scored, trainable_positions."""
@@ -95,7 +98,8 @@ def method_of_config(raw: dict) -> str:
     recorded = (raw.get("specgen") or {}).get("method")
     if recorded:
         return str(recorded)
-    if "dflash_config" in raw or raw.get("speculators_model_type") in ("dflash", "dflash2"):
+    if ("dflash_config" in raw or "DFlashDraftModel" in (raw.get("architectures") or [])
+            or raw.get("speculators_model_type") in ("dflash", "dflash2")):
         return "dflash"
     if raw.get("speculators_model_type") == "peagle" or raw.get("parallel_drafting"):
         return "p-eagle"

@@ -95,7 +95,11 @@ def serving_layer_ids(aux_layers: list[int]) -> list[int]:
 
 
 def aux_layers_of(config: transformers.PretrainedConfig) -> list[int]:
-    """specgen's aux layers (0-based decoder-layer outputs) of a draft config (see `serving_layer_ids`)."""
+    """specgen's aux layers (0-based decoder-layer outputs) of a draft config (see `serving_layer_ids`); a DFlash
+    config records them as `dflash_config.target_layer_ids`, the same numbers (`specgen.draft.dflash`)."""
+    dflash = getattr(config, "dflash_config", None)
+    if dflash:
+        return [int(layer_id) for layer_id in dflash["target_layer_ids"]]
     return [int(layer_id) - 1 for layer_id in config.eagle_config["eagle_aux_hidden_state_layer_ids"]]
 
 

@@ -41,6 +41,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from specgen.draft.model import ReducedVocabHead
 from specgen.draft.target_head import TargetDistribution
 from specgen.draft.ttt import (
     MASK_SHIFTS,
@@ -185,7 +186,7 @@ class DFlashLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class DFlashDraft(nn.Module):
+class DFlashDraft(ReducedVocabHead, nn.Module):
     """The DFlash draft. Parameter names are the checkpoint's (vLLM prefixes `model.` itself)."""
 
     method_name = METHOD
@@ -244,17 +245,6 @@ class DFlashDraft(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
-    def init_lm_head_from_target(self, target_lm_head: torch.Tensor) -> None:
-        rows = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
-        with torch.no_grad():
-            self.lm_head.weight.copy_(target_lm_head.to(self.lm_head.weight)[rows])
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]
 
 
 # ---------------------------------------------------------------------------------------------------------------

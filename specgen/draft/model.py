@@ -236,7 +236,25 @@ class DraftDecoderLayer(nn.Module):
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
 
-class Eagle3Draft(nn.Module):
+class ReducedVocabHead:
+    """What every draft with a reduced vocabulary shares: `lm_head` over draft ids, `d2t` (target id = draft id +
+    d2t[draft id]) and `config.draft_vocab_size`. Mixed into the draft modules (EAGLE-3, DFlash)."""
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary ids to target-vocabulary ids (target = draft + d2t[draft])."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def init_lm_head_from_target(self, target_lm_head: torch.Tensor) -> None:
+        """Copy the target's LM head rows of the draft vocabulary (row d = target row d + d2t[d]) into lm_head."""
+        rows = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target_lm_head.to(self.lm_head.weight)[rows])
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+
+class Eagle3Draft(ReducedVocabHead, nn.Module):
     """EAGLE-3 draft model. Parameter names match the published checkpoints (see module docstring).
 
     EAGLE-3.1's flags (config, all False by default; vLLM 0.32 `llama_eagle3.py` and speculators 0.9 read them
@@ -305,16 +323,3 @@ class Eagle3Draft(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [.., draft_vocab_size] from a step's output."""
         return self.lm_head(hidden if self.norm_output else self.norm(hidden))
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Map draft-vocabulary ids to target-vocabulary ids (target = draft + d2t[draft])."""
-        return draft_ids + self.d2t[draft_ids]
-
-    def init_lm_head_from_target(self, target_lm_head: torch.Tensor) -> None:
-        """Copy the target's LM head rows of the draft vocabulary (row d = target row d + d2t[d]) into lm_head."""
-        rows = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
-        with torch.no_grad():
-            self.lm_head.weight.copy_(target_lm_head.to(self.lm_head.weight)[rows])
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]

@@ -37,7 +37,7 @@ def trained(root, method: str) -> dict:
                             "train.tensorboard=false", *QUIET]))
     report = evaluate(compose("evaluate", ["recipe=demo", f"draft.path={draft}", f"evaluate.num_draft_tokens={K}",
                                            f"evaluate.max_prompts={PROMPTS}", f"evaluate.max_new_tokens={MAX_NEW_TOKENS}",
-                                           f"output.dir={out}", *QUIET]))
+                                           f"output.dir={out}", "model.dtype=float32", *QUIET]))  # exact: as vLLM's
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     return {"draft": draft, "report": report, "samples": samples, "samples_path": out / "samples.jsonl"}
 

@@ -480,7 +480,7 @@ def print_summary(manifest: dict, out_dir: Path, computed_tokens: int, seconds: 
         ("throughput", f"{computed_tokens / max(seconds, 1e-9):,.0f} tokens/s over {computed_tokens:,} tokens "
                        f"captured in this run ({seconds:.1f}s, {processes} process{'es' * (processes > 1)})"
                        if computed_tokens else
-                       "nothing left to compute: every shard was already finished"),
+                       "nothing captured in this run (every unit already finished, or every row rejected)"),
     ]))
 
 
@@ -589,7 +589,19 @@ def generate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease) -> di
     write_manifest(out_dir, manifest)
     print_summary(manifest, out_dir, job.tokens, seconds, workers.world_size,
                   source.describe(manifest["stats"].get("source_rows", 0)))
+    require_samples(manifest, out_dir)
     return manifest
+
+
+def require_samples(manifest: dict, out_dir: Path) -> None:
+    """A dataset without a single sample is a failed run (a one-line error), not an empty success: the manifest and
+    rejected.jsonl stay on disk to say why."""
+    stats = manifest["stats"]
+    if stats.get("samples", 0) == 0:
+        rejected = stats.get("rejected", {})
+        reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(rejected.items())) or "none rejected"
+        raise SpecgenError(f"no usable sample in {out_dir}: {sum(rejected.values())} rows rejected ({reasons}); "
+                           f"see {out_dir / 'rejected.jsonl'} for each row and its reason")
 
 
 main = stage_main("generate")(run)

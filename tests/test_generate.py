@@ -198,6 +198,14 @@ def test_bad_rows_are_reported_and_good_rows_kept(small_target, tmp_path):
         generate(small_target, tmp_path / "strict", f"data.path={data}", "data.on_bad_row=fail")
 
 
+def test_a_run_where_every_row_is_rejected_fails_and_says_why(small_target, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"id": "a", "foo": 1}) + "\n" + json.dumps({"id": "b", "messages": []}) + "\n")
+    with pytest.raises(SpecgenError, match=r"no usable sample .*: 2 rows rejected \(.*\); see .*rejected.jsonl"):
+        generate(small_target, tmp_path / "out", f"data.path={data}")
+    assert len((tmp_path / "out" / "rejected.jsonl").read_text().splitlines()) == 2  # the reasons stay on disk
+
+
 def test_changed_config_is_an_error_unless_overwrite(small_target, tmp_path):
     generate(small_target, tmp_path / "out")
     with pytest.raises(SpecgenError, match="different configuration.*capture.aux_layers"):

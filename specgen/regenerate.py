@@ -7,14 +7,14 @@ and writes conversations that `python -m specgen.generate data.path=<output.dir>
 Read top to bottom: load the tokenizer and target, claim the output directory, then stream the source in work
 units of `output.shard_size` rows, exactly as generate does. Each unit becomes one `part-NNNNN.jsonl`, written
 atomically; units finished by an earlier (possibly killed) run are skipped, so re-running the same command
-resumes. Under `accelerate launch` each process takes the units `unit % world_size == rank`; the main process
-writes `rejected.jsonl` and `manifest.json` once every part is on disk.
+resumes. Under `accelerate launch` each process claims the next unfinished unit when it is ready for one
+(`specgen.ranks.claims`, as generate does), so a rank with longer rows or slower generation takes fewer units and
+nobody waits for it; the main process writes `rejected.jsonl` and `manifest.json` once every part is on disk.
 """
 
 import hashlib
 import json
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from specgen.capture.target import config_hash, load_target
 from specgen.config import stage_main, to_container
 from specgen.data.template import chat_template_sha256
 from specgen.ranks import Workers, init_workers
+from specgen.ranks.claims import UnitClaims, clear_claims
 from specgen.errors import SpecgenError
 from specgen.data.sources import CappedSource, capped_source, work_units
 from specgen.runtime import load_tokenizer, resolve_model_dtype
@@ -155,14 +156,6 @@ def dataset_identity(cfg: DictConfig, model_config_hash: str, template_sha: str,
             "generation": generation, "output.shard_size": cfg.output.shard_size}
 
 
-def owned_rows(total: int | None, shard_size: int, workers: Workers) -> int | None:
-    """How many source rows this process regenerates (for its progress bar)."""
-    if total is None:
-        return None
-    return sum(min(shard_size, total - unit * shard_size)
-               for unit in range(math.ceil(total / shard_size)) if workers.owns(unit))
-
-
 def wait_for_parts(out_dir: Path, units: list[int]) -> None:
     """Return once every unit's part is committed, whichever process writes it.
 
@@ -276,19 +269,23 @@ def regenerate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease, sou
         if claim_output_dir(out_dir, identity, overwrite=cfg.output.overwrite):
             log.info("resuming in %s", out_dir)
         remove_partial(out_dir)
+        clear_claims(out_dir)  # a killed job's claims: its unfinished units are anyone's again
     workers.barrier()  # the others start once the directory is claimed (and cleared on overwrite)
     done = finished_parts(out_dir)
+    claims = UnitClaims(out_dir, workers.rank, workers.world_size)
 
-    progress = Progress(owned_rows(source.expected_rows, cfg.output.shard_size, workers), desc="regenerate",
+    # The main process's bar: the whole job with one process; its own rows (no total) when units are claimed.
+    progress = Progress(source.expected_rows if workers.world_size == 1 else None, desc="regenerate",
                         enabled=cfg.runtime.progress and workers.is_main)
     units, new_tokens, rows = [], 0, 0
     for unit, unit_records in work_units(source.records, cfg.output.shard_size):
         units.append(unit)
-        if not workers.owns(unit):
-            continue
         if unit in done:
-            progress.update(len(unit_records), 0)
+            if workers.world_size == 1:
+                progress.update(len(unit_records), 0)
             continue
+        if not claims.claim(unit):
+            continue  # another process has it
         torch.manual_seed(unit_seed(cfg.regenerate.seed, unit))
         shown = []  # rows already counted on the bar as their chunk finished
         result = regenerator.regenerate(unit_records, on_batch=lambda tokens: progress.update(0, tokens),
@@ -308,7 +305,9 @@ def regenerate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease, sou
     lease.check()
     manifest = finish(cfg, out_dir, units, model, identity,
                       last_run={"new_tokens": new_tokens, "seconds": seconds, "engine": cfg.engine.name, "dtype": str(dtype),
-                                "new_tokens_per_second": new_tokens / max(seconds, 1e-9)})
+                                "new_tokens_per_second": new_tokens / max(seconds, 1e-9),
+                                "units_by_process": claims.by_process()})
+    clear_claims(out_dir)
     print_summary(manifest, out_dir, new_tokens, rows, seconds, source.describe(manifest["stats"]["source_rows"]))
     return manifest
 

@@ -335,6 +335,10 @@ def test_two_processes_equal_one(chat_model, tmp_path):
     assert part_files(tmp_path / "double") == part_files(tmp_path / "single")
     double = json.loads((tmp_path / "double" / "manifest.json").read_text())
     assert double["stats"] == single["stats"]
+    # Units are claimed, not dealt: every unit was claimed by exactly one process, and the claims are gone.
+    claimed = double["last_run"]["units_by_process"]
+    assert sorted(claimed) == ["0", "1"] and sum(claimed.values()) == len(double["parts"])
+    assert not (tmp_path / "double" / ".specgen-claims").exists()
     assert (tmp_path / "double" / "rejected.jsonl").read_text() == (tmp_path / "single" / "rejected.jsonl").read_text()
 
 

@@ -1,9 +1,9 @@
-"""Process-group glue for `accelerate launch` (torch.distributed): who am I, which work units are mine.
+"""Process-group glue for `accelerate launch` (torch.distributed): who am I, and the collectives the stages share.
 
 Work is split into units numbered from the data (unit k = source rows [k*S, (k+1)*S)), never from the world size:
-generate's ranks claim unfinished units as they get to them (`specgen.ranks.claims`), regenerate's take the units
-with `unit % world_size == rank` (`Workers.owns`). A run started on 4 processes can therefore be resumed on 2, and a
-rank that died can be re-run alone, without changing any shard's content.
+generate's and regenerate's ranks claim unfinished units as they get to them (`specgen.ranks.claims`). A run started
+on 4 processes can therefore be resumed on 2, and a rank that died can be re-run alone, without changing any
+shard's content.
 """
 
 import json
@@ -29,9 +29,6 @@ class Workers:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    def owns(self, unit: int) -> bool:
-        return unit % self.world_size == self.rank
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -41,11 +41,13 @@ SPECULATORS_REFERENCE = 2.73  # speculators 0.9, norm_before_residual=False, see
 EVAL = {"num_draft_tokens": 4, "max_new_tokens": 96}
 
 
-def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: int = 96) -> dict:
+def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: int = 96,
+               samples_out: str | None = None) -> dict:
     """Speculative decoding of the held-out demo turns: {acceptance_length, rounds, accepted, turns, seconds}.
 
     Multi-turn prompts continue with the generated answer (the target's greedy output: speculative decoding is
-    lossless, checked by specgen.evaluate and its tests)."""
+    lossless, checked by specgen.evaluate and its tests). samples_out, if given, receives one JSON line per turn
+    ({prompt_token_ids, output_token_ids}, specgen.evaluate's samples.jsonl fields) for a vLLM replay."""
     import torch
 
     from specgen.assets import ASSETS_DIR
@@ -68,6 +70,7 @@ def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: in
     tokenizer = load_tokenizer(target_path)
     eos_ids = set(stop_token_ids(model, tokenizer))  # the turn-ending tokens specgen.evaluate stops at
     rounds = accepted = turns = 0
+    samples = []
     for prompt in read_prompts(str(ASSETS_DIR / "chat" / "heldout.jsonl")):
         messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
         for text in prompt.user_turns:
@@ -78,7 +81,10 @@ def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: in
             rounds += out.verification_rounds
             accepted += sum(out.accepted)
             turns += 1
+            samples.append({"prompt_token_ids": list(ids), "output_token_ids": list(out.tokens)})
             messages.append({"role": "assistant", "content": tokenizer.decode(out.tokens, skip_special_tokens=True)})
+    if samples_out:
+        Path(samples_out).write_text("".join(json.dumps(sample) + "\n" for sample in samples))
     return {"acceptance_length": 1 + accepted / max(rounds, 1), "rounds": rounds, "accepted": accepted,
             "turns": turns, "seconds": time.perf_counter() - start}
 

@@ -10,7 +10,6 @@ every process is done (`specgen.ranks.monitor`). Within a process,
 tokenizing runs ahead of the target and writing behind it (`specgen.pipeline`).
 """
 
-import json
 import logging
 import time
 from collections import Counter

@@ -6,13 +6,14 @@
                                                                              # speculators_config in DIR/config.json
 SAMPLES_JSONL is specgen.evaluate's samples.jsonl (prompt_token_ids per turn). OUT_JSON receives the output token ids
 per turn and vLLM's spec-decode counters (num_drafts, num_draft_tokens, num_accepted_tokens,
-num_accepted_tokens_per_pos) with vLLM's acceptance length 1 + accepted / drafts. Run it in vLLM's venv; vLLM spawns
+num_accepted_tokens_per_pos) with vLLM's acceptance length 1 + accepted / drafts, and generate()'s wall time. Run it in vLLM's venv; vLLM spawns
 workers, hence the __main__ guard.
 """
 
 import argparse
 import json
 import os
+import time
 
 
 def counters(llm) -> dict:
@@ -58,8 +59,13 @@ def main() -> None:
             spec["parallel_drafting"] = True
         llm = LLM(model=args.target, speculative_config=spec, **options)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+    start = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=s["prompt_token_ids"]) for s in samples], params)
+    seconds = time.perf_counter() - start
     result = {"output_token_ids": [list(o.outputs[0].token_ids) for o in outputs], **counters(llm)}
+    # Wall time of generate() alone (engine start excluded), for benchmarks: generated tokens per second.
+    result["generate_seconds"] = seconds
+    result["output_tokens_per_second"] = sum(len(ids) for ids in result["output_token_ids"]) / seconds
     if result.get("num_drafts"):
         result["acceptance_length"] = 1 + result["num_accepted_tokens"] / result["num_drafts"]
         result["acceptance_rate_per_position"] = [n / result["num_drafts"]

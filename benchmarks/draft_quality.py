@@ -53,17 +53,18 @@ def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: in
     from specgen.assets import ASSETS_DIR
     from specgen.capture.target import load_target
     from specgen.data.prompts import chat_prompt_ids, read_prompts
-    from specgen.draft.checkpoint import load_draft, read_draft_config, specgen_info
+    from specgen.draft.checkpoint import load_draft, read_raw_config, specgen_info
     from specgen.draft.model import aux_layers_of
     from specgen.draft.speculative import TargetRunner, speculative_generate
     from specgen.runtime import load_tokenizer, stop_token_ids
 
     torch.set_num_threads(1)
     start = time.perf_counter()
-    info = specgen_info(read_draft_config(draft_path))
+    info = specgen_info(read_raw_config(draft_path))  # any method's config.json (DFlash is not EAGLE-3's layout)
     target_path = info.get("target", {}).get("path") or str(ASSETS_DIR / "tiny-target")
     model = load_target(target_path, dtype="float32", device="cpu", attn_implementation="sdpa")
-    draft = load_draft(draft_path, embedding=model.get_input_embeddings().weight.detach().float()).eval()
+    draft = load_draft(draft_path, embedding=model.get_input_embeddings().weight.detach().float(),
+                       target_config=model.config).eval()
     # The draft's config holds serving ids (vLLM's reading, aux + 1); aux_layers_of turns them back into the
     # 0-based layer outputs the draft was trained on, exactly as specgen.evaluate does.
     target = TargetRunner(model, aux_layers_of(draft.config))

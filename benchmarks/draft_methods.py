@@ -9,9 +9,9 @@ thread; --jobs at once) on the same shards, then decodes the 79 held-out demo tu
 (`benchmarks/draft_quality.acceptance`: specgen.draft.speculative, which drafts each method as vLLM does).
 Acceptance length = 1 + accepted draft tokens / verification rounds (vLLM's counting). train.ttt_length is the
 depth trained (TTT steps for EAGLE, parallel slots for P-EAGLE): give it the largest K. --set adds train overrides
-to every run (e.g. train.max_steps=200 for a short first number); Training cost is the train process's own CPU seconds (one thread, so
-about its wall time on a quiet core; wall seconds beside it). DFlash trains one block of ttt_length masks
-(draft.dflash.block_size = ttt_length + 1) and is served with its first K. Prints one table.
+to every run (e.g. train.max_steps=200 for a short first number). Training cost is the train process's own CPU
+seconds (one thread, so about its wall time on a quiet core; wall seconds beside it). DFlash trains one block of
+ttt_length masks (draft.dflash.block_size = ttt_length + 1) and is served with its first K. Prints one table.
 
 With --vllm-python (vLLM's venv, .ci/vllm-venv), each draft of --vllm-seeds is also served by vLLM's CPU build at
 every K on the same turns (tests/vllm_replay.py, float32, greedy, up to 8 sequences at once), with the target alone
@@ -20,10 +20,10 @@ as the baseline: vLLM's own acceptance length (which must equal specgen's count)
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
-import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,10 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from draft_quality import REPO, _python_env, acceptance, generate_shards  # noqa: E402
+from served_acceptance import FLAGS, replay  # noqa: E402
 
-
-REPLAY = REPO / "tests" / "vllm_replay.py"
-VLLM_FLAGS = {"eagle3": [], "eagle3.1": [], "p-eagle": ["--parallel-drafting"], "dflash": ["--method", "dflash"]}
+TARGET = REPO / "specgen" / "assets" / "tiny-target"
 
 
 def train_and_evaluate(method: str, seed: int, args) -> dict:
@@ -59,7 +58,7 @@ def train_and_evaluate(method: str, seed: int, args) -> dict:
         counted = json.loads(done.stdout.strip().splitlines()[-1])
         result["acceptance"][str(k)] = counted["acceptance_length"]
         if args.vllm_python and seed in args.vllm_seeds:
-            served = serve(args, samples, k, "--draft", str(ckpt), *VLLM_FLAGS[method])
+            served = serve(args, samples, "--draft", str(ckpt), "--k", str(k), *FLAGS[method])
             result["vllm"][str(k)] = {"acceptance_length": served["acceptance_length"],
                                       "tokens_per_second": served["output_tokens_per_second"],
                                       "counts_equal": (served["num_drafts"], served["num_accepted_tokens"])
@@ -73,17 +72,13 @@ def train_and_evaluate(method: str, seed: int, args) -> dict:
     return result
 
 
-def serve(args, samples: Path, k: int, *flags: str) -> dict:
-    """tests/vllm_replay.py in vLLM's venv over the turns specgen decoded: vLLM's counters and tokens/s."""
+def serve(args, samples: Path, *flags: str) -> dict:
+    """The turns specgen decoded, replayed by vLLM (the target alone without flags): its counters and tokens/s."""
     out = samples.with_name(samples.stem + ("-vllm.json" if flags else "-vllm-target.json"))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    subprocess.run([args.vllm_python, str(REPLAY), str(samples), str(out), "--target",
-                    str(REPO / "specgen" / "assets" / "tiny-target"), "--k", str(k), "--max-new-tokens", "96", *flags],
-                   check=True, env=env, cwd=REPO, capture_output=True, text=True)
-    return json.loads(out.read_text())
+    return replay(args.vllm_python, samples, out, TARGET, 96, *flags)
 
 
-def print_table(results: list[dict], ks: list[int]) -> None:
+def print_table(results: list[dict], ks: list[int], target_tokens_per_second: float | None = None) -> None:
     print(f"\n{'method':<10} {'seeds':>5} " + " ".join(f"{'K=' + str(k) + ' (mean ± std)':>20}" for k in ks)
           + f" {'train CPU-s':>11} {'wall s':>7}")
     for method in dict.fromkeys(r["method"] for r in results):
@@ -100,11 +95,11 @@ def print_table(results: list[dict], ks: list[int]) -> None:
     served = [(r["method"], r["seed"], k, v) for r in results for k, v in r["vllm"].items()]
     if served:
         print(f"\nvLLM's CPU build, same turns (float32, greedy, max 8 sequences at once); target alone: "
-              f"{results[0]['target_tokens_per_second']:.1f} generated tokens/s")
+              f"{target_tokens_per_second:.1f} generated tokens/s")
         print(f"{'method':<10} {'seed':>4} {'K':>3} {'vLLM acceptance':>16} {'tokens/s':>9} {'vs target':>9}  counts")
         for method, seed, k, v in served:
             print(f"{method:<10} {seed:>4} {k:>3} {v['acceptance_length']:>16.3f} {v['tokens_per_second']:>9.1f} "
-                  f"{v['tokens_per_second'] / results[0]['target_tokens_per_second']:>8.2f}x  "
+                  f"{v['tokens_per_second'] / target_tokens_per_second:>8.2f}x  "
                   f"{'equal to specgen' if v['counts_equal'] else 'DIFFER'}")
 
 
@@ -132,11 +127,12 @@ def main() -> None:
     runs = [(method, seed) for seed in args.seeds for method in args.methods]
     with ThreadPoolExecutor(args.jobs) as pool:
         results = list(pool.map(lambda run: train_and_evaluate(*run, args), runs))
+    target_tokens_per_second = None
     if args.vllm_python:  # the baseline: the target alone on the first served draft's turns (the same at every K)
         first = next(r for r in results if r["vllm"])
         turns = args.out / f"{first['method']}-seed{first['seed']}" / f"turns-k{args.ks[0]}.jsonl"
-        results[0]["target_tokens_per_second"] = serve(args, turns, args.ks[0])["output_tokens_per_second"]
-    print_table(results, args.ks)
+        target_tokens_per_second = serve(args, turns)["output_tokens_per_second"]
+    print_table(results, args.ks, target_tokens_per_second)
 
 
 if __name__ == "__main__":

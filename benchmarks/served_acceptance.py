@@ -45,10 +45,12 @@ def method_of(draft: str) -> str:
     return method_of_config(json.loads((Path(draft) / "config.json").read_text()))
 
 
-def serve(args, turns: Path, out: Path, *flags: str) -> dict:
+def replay(vllm_python: str, turns: Path, out: Path, target: str, max_new_tokens: int, *flags: str) -> dict:
+    """tests/vllm_replay.py in vLLM's venv over `turns` (prompt_token_ids per line), the target alone or with the
+    draft that `flags` name (`--draft DIR --k K` and the method's FLAGS): vLLM's outputs, counters and tokens/s."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
-    done = subprocess.run([args.vllm_python, str(REPLAY), str(turns), str(out), "--target", args.target,
-                           "--max-new-tokens", str(args.max_new_tokens), *flags],
+    done = subprocess.run([vllm_python, str(REPLAY), str(turns), str(out), "--target", str(target),
+                           "--max-new-tokens", str(max_new_tokens), *flags],
                           env=env, cwd=REPO, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"vllm_replay failed ({' '.join(flags) or 'target alone'}):\n{done.stderr[-3000:]}")
@@ -69,13 +71,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     turns = write_turns(args.target, args.prompts, args.out / "turns.jsonl")
-    alone = serve(args, turns, args.out / "target.json")
+    alone = replay(args.vllm_python, turns, args.out / "target.json", args.target, args.max_new_tokens)
     rows = []
     for index, draft in enumerate(args.drafts):
         method = method_of(draft)
         for k in args.ks:
-            served = serve(args, turns, args.out / f"draft{index}-k{k}.json", "--draft", draft, "--k", str(k),
-                           *FLAGS[method])
+            served = replay(args.vllm_python, turns, args.out / f"draft{index}-k{k}.json", args.target,
+                            args.max_new_tokens, "--draft", draft, "--k", str(k), *FLAGS[method])
             rows.append({"draft": draft, "method": method, "k": k, "acceptance_length": served["acceptance_length"],
                          "per_position": served["acceptance_rate_per_position"],
                          "tokens_per_second": served["output_tokens_per_second"],

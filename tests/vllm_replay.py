@@ -6,8 +6,8 @@
                                                                              # speculators_config in DIR/config.json
 SAMPLES_JSONL is specgen.evaluate's samples.jsonl (prompt_token_ids per turn). OUT_JSON receives the output token ids
 per turn and vLLM's spec-decode counters (num_drafts, num_draft_tokens, num_accepted_tokens,
-num_accepted_tokens_per_pos) with vLLM's acceptance length 1 + accepted / drafts, and generate()'s wall time. Run it in vLLM's venv; vLLM spawns
-workers, hence the __main__ guard.
+num_accepted_tokens_per_pos) with vLLM's acceptance length 1 + accepted / drafts, and generate()'s wall time. Run
+it in vLLM's venv; vLLM spawns workers, hence the __main__ guard.
 """
 
 import argparse

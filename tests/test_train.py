@@ -181,6 +181,18 @@ def test_a_kill_inside_a_checkpoint_save_resumes_from_the_last_complete_one(shar
     assert json.loads((out / "config.json").read_text())["specgen"]["step"] == 4
 
 
+def test_a_pointer_file_left_half_committed_does_not_stop_a_resume(shards, uninterrupted, tmp_path):
+    """A kill between writing `latest`'s temporary file and renaming it leaves the file `latest.tmp` (found by
+    killing a disaggregated trainer at random: the cleanup treated every `*.tmp` as a folder)."""
+    out = tmp_path / "ckpt"
+    train([f"data.shards={shards}", f"output.dir={out}", *SAVED, "train.max_steps=2"])
+    (out / "checkpoints" / "latest.tmp").write_text("step-000002")
+    train([f"data.shards={shards}", f"output.dir={out}", *SAVED, "train.resume=true"])
+    expected, got = load_file(uninterrupted / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+    assert not (out / "checkpoints" / "latest.tmp").exists()
+
+
 def test_a_kill_inside_the_first_save_leaves_nothing_to_resume(shards, tmp_path):
     import subprocess
     import sys

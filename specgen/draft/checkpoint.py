@@ -205,8 +205,12 @@ class Checkpoints:
 
 
 def _remove(path: Path) -> None:
-    """Delete a folder so that a kill midway never leaves it under a name that looks complete."""
+    """Delete a folder so that a kill midway never leaves it under a name that looks complete (a file, such as the
+    `latest` pointer's temporary a kill left, is just unlinked)."""
     if not path.exists():
+        return
+    if not path.is_dir():
+        path.unlink()
         return
     if not path.name.endswith(TMP_SUFFIX):
         doomed = path.with_name(path.name + ".old" + TMP_SUFFIX)

@@ -14,6 +14,7 @@ STAGES = {
     "verify": "audit a generated dataset",
     "regenerate": "replace assistant turns with the target's own answers",
     "export": "write a draft checkpoint in the layout an engine reads (vllm, sglang, speculators)",
+    "capture_server": "capture target hidden states for disaggregated training (train mode=disaggregated)",
 }
 
 

@@ -116,7 +116,7 @@ def _apply_embedded_default(cfg: DictConfig, stage: str, overrides: list[str]) -
     """No model.path, no data.path, no recipe: the bundled target and sample (row cap in EMBEDDED_ROW_CAP unless
     data.max_rows is given). model.path = the bundled target and no data.path: its bundled sample, all rows.
     Anything else is the user's run, whose required keys `validate` checks."""
-    if stage not in EMBEDDED_ROW_CAP or (stage == "train" and cfg.mode != "online"):
+    if stage not in EMBEDDED_ROW_CAP or (stage == "train" and cfg.mode == "offline"):
         return
     given = {arg.split("=", 1)[0].lstrip("+~") for arg in overrides if "=" in arg}
     embedded_model = asset_path(EMBEDDED_MODEL)

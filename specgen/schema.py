@@ -105,7 +105,17 @@ KEYS: dict[str, Key] = {
     "engine.dist_backend": _k("str", choices=("auto", "nccl", "gloo")),
     "engine.config": _k("dict"),
     # train: the draft and its optimisation
-    "mode": _k("str", choices=("offline", "online")),
+    "mode": _k("str", choices=("offline", "online", "disaggregated")),
+    # stream: disaggregated training's shared folder (train mode=disaggregated, capture_server)
+    "stream.dir": _k("str", null=True),
+    "stream.window": _k("int", min=POSITIVE),
+    "stream.max_bytes": _k("int", min=POSITIVE),
+    "stream.poll_s": _k("float", min=0),
+    "stream.wait_timeout_s": _k("float", min=0),
+    "stream.stale_s": _k("float", min=0),
+    "stream.exit_when_done": _k("bool"),
+    "stream.idle_exit_s": _k("float", null=True, min=0),
+    "stream.server_id": _k("str", null=True),
     "distributed.strategy": _k("str", choices=("ddp", "deepspeed")),
     "distributed.deepspeed": _k("dict"),
     "draft.path": _k("str", null=True),

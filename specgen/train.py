@@ -10,9 +10,12 @@ loop. output.dir receives config.json + model.safetensors (the latest draft, ser
 TensorBoard logs and checkpoints/step-NNNNNN/ (written atomically; train.resume=true continues from the newest).
 """
 
+import hashlib
+import json
 import logging
 import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -64,6 +67,8 @@ from specgen.progress import format_table
 from specgen.runtime import load_tokenizer, resolve_device, resolve_model_dtype, set_threads, stop_token_ids
 from specgen.store.lease import hold_job_lease
 from specgen.store.reader import open_shards
+from specgen.stream import FileTransport, Spool, StreamBatches, StreamSettings
+from specgen.stream.spool import OBJECTS
 
 log = logging.getLogger("specgen.train")
 
@@ -74,7 +79,7 @@ _OUTPUTS = (CONFIG, WEIGHTS, METRICS, TOKEN_COUNTS, TRAINING_STATE, CHECKPOINTS,
 class TrainingData:
     """What the data side fixes: the batches, the target they come from, and the trained-token counts."""
 
-    source: OfflineBatches | OnlineBatches
+    source: OfflineBatches | OnlineBatches | StreamBatches
     target_path: str
     target_config_hash: str | None
     aux_layers: list[int]
@@ -88,13 +93,13 @@ class TrainingData:
     target_dtype: str | None = None  # the dtype the whole target runs in and why, when loaded (online, probe)
 
 
-MODES = ("offline", "online")
+MODES = ("offline", "online", "disaggregated")
 
 
 def run(cfg: DictConfig) -> dict:
     if cfg.mode not in MODES:
-        raise SpecgenError(f"mode={cfg.mode!r} is unknown; use mode=offline (data.shards) or mode=online "
-                           "(model.path + data.path)")
+        raise SpecgenError(f"mode={cfg.mode!r} is unknown; use mode=offline (data.shards), mode=online "
+                           "(model.path + data.path) or mode=disaggregated (+ stream.dir, capture servers)")
     if cfg.train.eval_every and cfg.train.eval_prompts is None:
         raise SpecgenError(f"train.eval_every={cfg.train.eval_every} decodes held-out prompts: pass "
                            "train.eval_prompts=FILE (MT-Bench style rows or conversations)")
@@ -108,8 +113,12 @@ def run(cfg: DictConfig) -> dict:
     is_main = accelerator.is_main_process
     out_dir = Path(cfg.output.dir)
     # Before anything else touches output.dir: another live job on it is refused here, in one line.
+    # One trainer per stream folder too: a second one would take the first one's batches.
+    streaming = cfg.mode == "disaggregated" and cfg.stream.dir is not None
     with hold_job_lease(out_dir, stage="train", is_main=is_main, broadcast=_broadcaster(accelerator),
-                        stale_s=cfg.output.lease_stale_s) as lease:
+                        stale_s=cfg.output.lease_stale_s) as lease, \
+            (hold_job_lease(cfg.stream.dir, stage="train", is_main=is_main, broadcast=_broadcaster(accelerator),
+                            stale_s=cfg.output.lease_stale_s) if streaming else nullcontext()):
         return train_into(cfg, accelerator, out_dir, lease)
 
 
@@ -138,8 +147,9 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
     plan = BatchPlan(batch_tokens=cfg.train.batch_tokens, max_batch_size=cfg.train.max_batch_size,
                      seed=cfg.runtime.seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
                      packing=cfg.train.packing)
-    data = online_data(cfg, plan, device) if cfg.mode == "online" else offline_data(cfg, plan, device)
-    if cfg.mode == "online" and is_main:
+    data = {"online": lambda: online_data(cfg, plan, device), "offline": lambda: offline_data(cfg, plan, device),
+            "disaggregated": lambda: stream_data(cfg, plan, accelerator)}[cfg.mode]()
+    if cfg.mode != "offline" and is_main:
         write_token_counts(out_dir / TOKEN_COUNTS, data.token_counts, data.target_config.get_text_config().vocab_size)
 
     torch.manual_seed(cfg.runtime.seed)
@@ -195,6 +205,10 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
                                "train.resume (output.overwrite=true) or from a copy of an intact checkpoint")
     start = time.perf_counter()
     metrics = trainer.fit()
+    if isinstance(data.source, StreamBatches):
+        accelerator.wait_for_everyone()  # (before end_training, which ends the process group)
+        if is_main:
+            data.source.spool.finish()  # the capture servers that served this run exit
     accelerator.end_training()
     if is_main:
         _print_summary(out_dir, data, draft, trainer.state, metrics, time.perf_counter() - start,
@@ -290,29 +304,79 @@ def online_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> Train
 
     if cfg.model.path is None:
         raise SpecgenError("mode=online runs the target in the loop: pass model.path=TARGET (and data.path=DATA)")
-    tokenizer = load_tokenizer(cfg.tokenizer.path)
-    chat = ChatTemplateTokenizer(tokenizer, max_length=cfg.data.max_length, train_turns=cfg.data.train_turns,
-                                 mask_empty_think=cfg.data.mask_empty_think,
-                                 chat_template_kwargs=to_container(cfg.data)["chat_template_kwargs"])
-    samples = tokenize_source(cfg.data.path, chat, max_rows=cfg.data.max_rows, on_bad_row=cfg.data.on_bad_row,
-                              split=cfg.data.split, subset=cfg.data.subset)
+    tokenizer, samples = _tokenized(cfg)
     dtype = resolve_model_dtype(cfg.model.dtype, device, cfg.model.path)
     model = load_target(cfg.model.path, dtype=dtype.name, device=str(device),
                         attn_implementation=cfg.model.attn_implementation)
-    num_layers = model.config.get_text_config().num_hidden_layers
-    requested = cfg.capture.aux_layers
-    aux_layers = default_aux_layers(num_layers) if requested is None else validate_aux_layers(list(requested),
-                                                                                              num_layers)
-    capture = make_capture(model, aux_layers)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    capture = make_capture(model, _aux_layers(cfg, model.config))
     counts = count_trained_tokens((sample.input_ids, sample.loss_mask) for sample in samples)
-    return TrainingData(source=OnlineBatches(samples, capture, plan, pad_id=pad_id),
+    return TrainingData(source=OnlineBatches(samples, capture, plan, pad_id=_pad_id(tokenizer)),
                         target_path=str(Path(cfg.model.path).resolve()), target_config_hash=config_hash(model),
                         aux_layers=list(capture.aux_layers), token_counts=dict(counts),
                         embedding=model.get_input_embeddings().weight.detach(),
                         lm_head=capture.lm_head.weight.detach(), target_config=model.config,
                         description=f"online {Path(cfg.data.path).resolve()} ({len(samples)} samples)",
                         target_model=model, target_dtype=str(dtype))
+
+
+def stream_data(cfg: DictConfig, plan: BatchPlan, accelerator) -> TrainingData:
+    """The online trainer's samples and plan, their hidden states captured by servers on `stream.dir`
+    (`specgen.stream`); here only the target's LM head and embedding are loaded, in the dtype online training
+    would run the target in (model.dtype on this device), so both train alike."""
+    if cfg.model.path is None or cfg.stream.dir is None:
+        raise SpecgenError("mode=disaggregated needs model.path=TARGET (its LM head and embedding, the same folder "
+                           "the capture servers load), data.path=DATA and stream.dir=DIR (the folder servers share)")
+    tokenizer, samples = _tokenized(cfg)
+    weights = load_target_weights(cfg.model.path, device="cpu")
+    aux_layers = _aux_layers(cfg, weights.config)
+    target_hash = config_hash(SimpleNamespace(config=weights.config))
+    pad_id = _pad_id(tokenizer)
+    fingerprint = hashlib.sha256(json.dumps([target_hash, aux_layers, pad_id, plan.batch_tokens, plan.max_batch_size,
+                                             plan.packing, plan.seed, plan.world_size]).encode())
+    for sample in samples:
+        fingerprint.update(torch.tensor(sample.input_ids, dtype=torch.int64).numpy().tobytes() + b"|")
+    identity = fingerprint.hexdigest()
+    spool = Spool(cfg.stream.dir, stale_s=cfg.stream.stale_s)
+    if accelerator.is_main_process:
+        same = spool.start_run({"identity": identity, "aux_layers": aux_layers,
+                                "max_length": cfg.data.max_length,
+                                "target": {"path": str(Path(cfg.model.path).resolve()), "config_hash": target_hash}})
+        log.info("stream %s: %s", spool.root, "the folder's run again (a resume)" if same else "a new run")
+    accelerator.wait_for_everyone()
+    hidden = weights.config.get_text_config().hidden_size
+    dtype = resolve_model_dtype(cfg.model.dtype, accelerator.device, cfg.model.path)
+    settings = StreamSettings(window=cfg.stream.window, max_bytes=cfg.stream.max_bytes, poll_s=cfg.stream.poll_s,
+                              wait_timeout_s=cfg.stream.wait_timeout_s)
+    source = StreamBatches(samples, plan, spool, FileTransport(spool.root / OBJECTS), settings, pad_id=pad_id,
+                           bytes_per_token=(len(aux_layers) + 1) * hidden * 4, identity=identity)
+    counts = count_trained_tokens((sample.input_ids, sample.loss_mask) for sample in samples)
+    return TrainingData(source=source, target_path=str(Path(cfg.model.path).resolve()), target_config_hash=target_hash,
+                        aux_layers=aux_layers, token_counts=dict(counts),
+                        embedding=weights.embedding.to(dtype.torch_dtype), lm_head=weights.lm_head.to(dtype.torch_dtype),
+                        target_config=weights.config,
+                        description=f"disaggregated {Path(cfg.data.path).resolve()} ({len(samples)} samples, "
+                                    f"captured by servers on {spool.root})")
+
+
+def _tokenized(cfg: DictConfig) -> tuple[transformers.PreTrainedTokenizerBase, list]:
+    """The tokenizer and the tokenized, loss-masked samples of `data.path` (online and disaggregated)."""
+    tokenizer = load_tokenizer(cfg.tokenizer.path)
+    chat = ChatTemplateTokenizer(tokenizer, max_length=cfg.data.max_length, train_turns=cfg.data.train_turns,
+                                 mask_empty_think=cfg.data.mask_empty_think,
+                                 chat_template_kwargs=to_container(cfg.data)["chat_template_kwargs"])
+    return tokenizer, tokenize_source(cfg.data.path, chat, max_rows=cfg.data.max_rows, on_bad_row=cfg.data.on_bad_row,
+                                      split=cfg.data.split, subset=cfg.data.subset)
+
+
+def _aux_layers(cfg: DictConfig, config: transformers.PretrainedConfig) -> list[int]:
+    """`capture.aux_layers`, checked against the target's depth; null: the EAGLE-3 default."""
+    num_layers = config.get_text_config().num_hidden_layers
+    requested = cfg.capture.aux_layers
+    return default_aux_layers(num_layers) if requested is None else validate_aux_layers(list(requested), num_layers)
+
+
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
 def acceptance_probe(cfg: DictConfig, data: TrainingData, device: torch.device) -> AcceptanceProbe:
@@ -460,6 +524,7 @@ def _print_summary(out_dir: Path, data: TrainingData, draft: Eagle3Draft, state:
                                     f"{metrics['accept_rounds']} rounds of real speculative decoding on the "
                                     "train.eval_prompts, last step")] if "accept_len" in metrics else []),
         ("throughput", f"{metrics.get('tokens_per_s', 0):,.0f} tokens/s (last logging window)"),
+        *([("stream", f"this process: {data.source.report()}")] if isinstance(data.source, StreamBatches) else []),
         ("metrics", str(out_dir / METRICS)),
     ]))
 

@@ -20,7 +20,7 @@ from specgen.schema import KEYS, REFERENCE
 
 DOCS = REPO / "docs"
 PAGES = sorted(DOCS.rglob("*.md")) + [REPO / "README.md"]
-STAGES = ("generate", "train", "evaluate", "verify", "regenerate", "export")
+STAGES = ("generate", "train", "evaluate", "verify", "regenerate", "export", "capture_server")
 GROUPS = sorted({key.split(".")[0] for key in KEYS if "." in key})
 DICT_KEYS = [key for key, spec in KEYS.items() if spec.kind == "dict"]
 FILE_SUFFIXES = {"py", "yaml", "yml", "json", "jsonl", "safetensors", "arrow", "md", "ipynb", "bin", "log", "txt",
@@ -87,7 +87,7 @@ def test_every_yaml_default_is_in_the_reference(path, rows):
 
 def test_reference_shows_per_stage_defaults(rows):
     """The README errors this replaced: tokenizer.path had two defaults with no stage, engine.name said deepspeed."""
-    assert rows["engine.name"].defaults == {"generate": "hf", "regenerate": "hf"}
+    assert rows["engine.name"].defaults == {"generate": "hf", "regenerate": "hf", "capture_server": "hf"}
     assert rows["engine.name"].alternatives == {"engine=deepspeed": "deepspeed", "engine=vllm": "vllm"}
     assert rows["tokenizer.path"].defaults["generate"] == "${model.path}"
     assert rows["tokenizer.path"].defaults["evaluate"] is None

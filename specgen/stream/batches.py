@@ -1,0 +1,151 @@
+"""Stream batches: the trainer's side of disaggregated training, a batch source like the offline and online ones.
+
+The samples and the batch plan are the online trainer's; a batch's hidden states come from capture servers. The
+source posts requests for the batches it will need next (at most `window`, and at most `max_bytes` of them counted
+at float32 size, so the objects never exceed the cap), takes each object in plan order when the trainer asks for the
+batch, withdraws the request and frees the object, and posts the next one. Resuming with `skip` posts again from
+the first untrained batch.
+"""
+
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from specgen.data.sample import TokenizedSample
+from specgen.draft.batches import BatchPlan
+from specgen.draft.ttt import DraftBatch, collate
+from specgen.errors import SpecgenError
+from specgen.stream.spool import Spool, batch_name
+from specgen.stream.transport import FileTransport, UnreadableObject
+
+log = logging.getLogger("specgen.stream")
+
+_HEADER_BYTES = 4096  # allowance for an object's safetensors header and metadata
+_SAY_WAITING_S = 30.0  # log a line when one batch has been waited for this long
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    window: int = 4  # requests this trainer process keeps outstanding
+    max_bytes: int = 8 << 30  # cap on all trainer processes' outstanding objects together (float32 bound)
+    poll_s: float = 0.05  # seconds between looks for an object being waited for
+    wait_timeout_s: float = 900.0  # fail when the batch needed next has not come for this long
+
+
+class StreamBatches:
+    """Batches of tokenized samples whose hidden states capture servers provide through `spool` and `transport`."""
+
+    def __init__(self, samples: list[TokenizedSample], plan: BatchPlan, spool: Spool, transport: FileTransport,
+                 settings: StreamSettings, *, pad_id: int, bytes_per_token: int, identity: str):
+        self.samples, self.plan, self.spool, self.transport = samples, plan, spool, transport
+        self.identity = identity  # the run's, which servers put in each object's metadata
+        self.settings, self.pad_id, self.bytes_per_token = settings, pad_id, bytes_per_token
+        self.lengths = [len(sample) for sample in samples]
+        self.budget = settings.max_bytes // plan.world_size
+        largest = max(plan.batch_tokens, max(self.lengths))
+        if self._bound(largest) > self.budget:
+            raise SpecgenError(f"stream.max_bytes={settings.max_bytes:,} leaves {self.budget:,} bytes to each of "
+                               f"{plan.world_size} trainer processes, less than one batch of up to {largest:,} "
+                               f"tokens ({self._bound(largest):,} bytes at float32): raise stream.max_bytes or "
+                               "lower train.batch_tokens")
+        self.by_server: Counter = Counter()
+        self.unreadable = 0  # objects that could not be read, captured again
+        self.foreign = 0  # objects of an earlier run on the folder (finished after it was replaced), captured again
+        self.wait_s = 0.0
+        self.peak_bound = 0  # the most bytes this process had outstanding, at float32
+
+    def batches_per_epoch(self) -> int:
+        return len(self.plan.epoch(self.lengths, 0))
+
+    def epoch(self, epoch: int, skip: int = 0) -> Iterator[DraftBatch]:
+        batches = self.plan.epoch(self.lengths, epoch)
+        pending: deque[tuple[str, list[int], int]] = deque()  # posted, not yet taken: (name, indices, bound)
+        following = self._post_ahead(pending, skip, batches, epoch)
+        for _ in range(skip, len(batches)):
+            name, indices, _ = pending.popleft()
+            tensors = self._take(name, indices)
+            following = self._post_ahead(pending, following, batches, epoch)  # captured while this one trains
+            yield self._batch(indices, tensors)
+
+    def _post_ahead(self, pending: deque, following: int, batches: list[list[int]], epoch: int) -> int:
+        """Post requests from batch `following` on until `window` are outstanding or the next would pass this
+        process's byte budget; returns the first batch not posted."""
+        while following < len(batches) and len(pending) < self.settings.window:
+            indices = batches[following]
+            bound = self._bound(sum(self.lengths[i] for i in indices))
+            outstanding = sum(posted for _, _, posted in pending)
+            if pending and outstanding + bound > self.budget:
+                break
+            name = batch_name(epoch, following, self.plan.rank)
+            self.spool.post(name, self._request(indices))
+            pending.append((name, indices, bound))
+            self.peak_bound = max(self.peak_bound, outstanding + bound)
+            following += 1
+        return following
+
+    def _request(self, indices: list[int]) -> dict:
+        return {"input_ids": [self.samples[i].input_ids for i in indices], "pad_id": self.pad_id}
+
+    def _take(self, name: str, indices: list[int]) -> dict[str, torch.Tensor]:
+        """Wait for the object of batch `name`, then withdraw the request and free the object."""
+        start = said = time.monotonic()
+        while True:
+            try:
+                got = self.transport.get(name)
+            except UnreadableObject as error:
+                log.warning("%s; captured again", error)
+                self.unreadable += 1
+                self.transport.delete(name)
+                got = None
+            if got is not None and got[1].get("run") != self.identity:
+                self.foreign += 1
+                self.transport.delete(name)
+                got = None
+            if got is not None:
+                break
+            now = time.monotonic()
+            if self.spool.read_request(name) is None:  # cleared under us (a new run on the folder): ask again
+                self.spool.post(name, self._request(indices))
+            if now - start > self.settings.wait_timeout_s:
+                raise SpecgenError(f"no capture server delivered batch {name} in {self.settings.wait_timeout_s:.0f}s "
+                                   f"({len(self.spool.live_servers())} live servers on {self.spool.root}); start "
+                                   f"one: python -m specgen.capture_server stream.dir={self.spool.root} "
+                                   "model.path=TARGET, or raise stream.wait_timeout_s")
+            if now - said > _SAY_WAITING_S:
+                log.warning("waiting %.0fs for batch %s (%d live capture servers)", now - start, name,
+                            len(self.spool.live_servers()))
+                said = now
+            time.sleep(self.settings.poll_s)
+        self.wait_s += time.monotonic() - start
+        tensors, meta = got
+        self.spool.withdraw(name)
+        self.transport.delete(name)
+        self.by_server[meta.get("server", "unknown")] += 1
+        return tensors
+
+    def _batch(self, indices: list[int], tensors: dict[str, torch.Tensor]) -> DraftBatch:
+        """The object's rows beside the samples' ids and masks, laid out as online and offline batches are."""
+        lengths = tensors["lengths"].tolist()
+        if lengths != [self.lengths[i] for i in indices]:
+            raise SpecgenError(f"a capture server returned lengths {lengths} for samples of lengths "
+                               f"{[self.lengths[i] for i in indices]}: it serves another run on {self.spool.root}")
+        aux, last = tensors["aux"].split(lengths), tensors["last"].split(lengths)
+        rows = [{"input_ids": self.samples[i].input_ids, "loss_mask": self.samples[i].loss_mask,
+                 "aux_hidden_states": aux[k], "last_hidden_state": last[k]} for k, i in enumerate(indices)]
+        return collate(rows, self.pad_id, packed=self.plan.packing)
+
+    def _bound(self, tokens: int) -> int:
+        return tokens * self.bytes_per_token + _HEADER_BYTES
+
+    def report(self) -> str:
+        """What this process received, for the summary."""
+        servers = ", ".join(f"{server}: {count}" for server, count in sorted(self.by_server.items()))
+        return (f"{sum(self.by_server.values())} batches from {len(self.by_server)} capture servers ({servers}); "
+                f"waited {self.wait_s:.1f}s for data; at most {self.peak_bound / 2**20:,.1f} MiB outstanding "
+                f"(cap {self.budget / 2**20:,.1f} MiB per process)"
+                + (f"; {self.unreadable} unreadable objects captured again" if self.unreadable else "")
+                + (f"; {self.foreign} objects of an earlier run captured again" if self.foreign else ""))

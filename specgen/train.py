@@ -115,6 +115,8 @@ def run(cfg: DictConfig) -> dict:
     # Before anything else touches output.dir: another live job on it is refused here, in one line.
     # One trainer per stream folder too: a second one would take the first one's batches.
     streaming = cfg.mode == "disaggregated" and cfg.stream.dir is not None
+    if streaming and Path(cfg.stream.dir).resolve() == out_dir.resolve():
+        raise SpecgenError(f"stream.dir and output.dir are both {out_dir}: give the stream folder its own path")
     with hold_job_lease(out_dir, stage="train", is_main=is_main, broadcast=_broadcaster(accelerator),
                         stale_s=cfg.output.lease_stale_s) as lease, \
             (hold_job_lease(cfg.stream.dir, stage="train", is_main=is_main, broadcast=_broadcaster(accelerator),

@@ -193,6 +193,8 @@ def test_a_cap_below_one_batch_and_a_run_without_servers_fail_in_one_line(target
         train(disaggregated(tmp_path / "s2", target, tmp_path / "c2", "stream.wait_timeout_s=0.5"))
     with pytest.raises(SpecgenError, match="stream.dir"):
         train(["mode=disaggregated", f"model.path={target}", *data_overrides(), f"output.dir={tmp_path / 'c3'}"])
+    with pytest.raises(SpecgenError, match="stream.dir and output.dir are both"):
+        train(disaggregated(tmp_path / "same", target, tmp_path / "same"))
     lease = acquire_lease(tmp_path / "s4", stage="train")  # another trainer on the same stream folder
     try:
         with pytest.raises(LeaseHeld, match="s4"):

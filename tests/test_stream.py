@@ -284,3 +284,46 @@ def test_an_object_of_an_earlier_run_is_captured_again(tmp_path):
     assert source.foreign == 1 and dict(source.by_server) == {"new": 1}
     assert torch.all(batch.aux_hidden_states[batch.document_ids >= 0] == 1.0)
     assert "1 objects of an earlier run captured again" in source.report()
+
+
+def test_requests_run_ahead_across_the_end_of_an_epoch(tmp_path):
+    """While the last batch of epoch 0 trains, the first batches of epoch 1 are already asked for (servers never idle
+    at an epoch boundary), and epoch 1 then continues that stream in plan order."""
+    from specgen.data.sample import TokenizedSample
+    from specgen.draft.batches import BatchPlan
+    from specgen.stream import StreamBatches, StreamSettings
+
+    samples = [TokenizedSample(f"s{i}", i, list(range(1, 4 + i)), [0] + [1] * (2 + i)) for i in range(4)]
+    spool, transport, stop = Spool(tmp_path), FileTransport(tmp_path / OBJECTS), threading.Event()
+    source = StreamBatches(samples, BatchPlan(batch_tokens=7, max_batch_size=None, seed=0), spool, transport,
+                           StreamSettings(window=3, poll_s=0.005), pad_id=0, bytes_per_token=64, identity="run")
+
+    def serve():  # a server in a thread: puts an object (rows filled with the sample index) for every request
+        while not stop.is_set():
+            for name in spool.requests():
+                request = spool.read_request(name)
+                if request and not transport.has(name):
+                    lengths = [len(ids) for ids in request["input_ids"]]
+                    rows = torch.cat([torch.full((n, 1), float(ids[-1])) for n, ids in zip(lengths,
+                                                                                           request["input_ids"])])
+                    transport.put(name, {"aux": rows.repeat(1, 3), "last": rows, "lengths": torch.tensor(lengths)},
+                                  {"server": "t", "run": "run"})
+            time.sleep(0.005)
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        per_epoch, seen = source.batches_per_epoch(), {}
+        assert per_epoch >= 2
+        for epoch in (0, 1):
+            for index, batch in enumerate(source.epoch(epoch)):
+                if (epoch, index) == (0, per_epoch - 1):
+                    seen["ahead"] = [name for name in spool.requests() if name.startswith("e0001")]
+                plan = source.plan.epoch(source.lengths, epoch)[index]
+                assert batch.last_hidden_state[batch.document_ids >= 0].squeeze(-1).tolist() == [
+                    float(samples[i].input_ids[-1]) for i in plan for _ in range(len(samples[i]))]
+    finally:
+        stop.set()
+        server.join()
+    assert seen["ahead"], "epoch 1 was not asked for while epoch 0's last batch trained"
+    assert sum(source.by_server.values()) == 2 * per_epoch

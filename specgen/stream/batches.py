@@ -1,10 +1,10 @@
 """Stream batches: the trainer's side of disaggregated training, a batch source like the offline and online ones.
 
 The samples and the batch plan are the online trainer's; a batch's hidden states come from capture servers. The
-source posts requests for the batches it will need next (at most `window`, and at most `max_bytes` of them counted
-at float32 size, so the objects never exceed the cap), takes each object in plan order when the trainer asks for the
-batch, withdraws the request and frees the object, and posts the next one. Resuming with `skip` posts again from
-the first untrained batch.
+source posts requests for the batches it will need next, across epoch ends (at most `window`, and at most
+`max_bytes` of them counted at float32 size, so the objects never exceed the cap), takes each object in plan order
+when the trainer asks for the batch, withdraws the request and frees the object, and posts the next one. Resuming
+with `skip` posts again from the first untrained batch.
 """
 
 import logging
@@ -57,35 +57,60 @@ class StreamBatches:
         self.foreign = 0  # objects of an earlier run on the folder (finished after it was replaced), captured again
         self.wait_s = 0.0
         self.peak_bound = 0  # the most bytes this process had outstanding, at float32
+        self._pending: deque[tuple[int, int, str, list[int], int]] = deque()  # posted: epoch, index, name, ..., bound
+        self._following = (0, 0)  # the next (epoch, batch) to post
+        self._plans: dict[int, list[list[int]]] = {}
 
     def batches_per_epoch(self) -> int:
         return len(self.plan.epoch(self.lengths, 0))
 
     def epoch(self, epoch: int, skip: int = 0) -> Iterator[DraftBatch]:
-        batches = self.plan.epoch(self.lengths, epoch)
-        pending: deque[tuple[str, list[int], int]] = deque()  # posted, not yet taken: (name, indices, bound)
-        following = self._post_ahead(pending, skip, batches, epoch)
-        for _ in range(skip, len(batches)):
-            name, indices, _ = pending.popleft()
+        """The batches of `epoch` from batch `skip` on. Requests run ahead across the end of the epoch into the
+        next one, so servers never idle at an epoch boundary; a call that does not continue where the posted ones
+        begin (a first call, a resume) starts the stream afresh from (epoch, skip)."""
+        if not self._pending or self._pending[0][:2] != (epoch, skip):
+            self._restart(epoch, skip)
+        for index in range(skip, len(self._plan(epoch))):
+            self._post_ahead()
+            posted_epoch, posted_index, name, indices, _ = self._pending.popleft()
+            assert (posted_epoch, posted_index) == (epoch, index), "stream requests out of plan order"
             tensors = self._take(name, indices)
-            following = self._post_ahead(pending, following, batches, epoch)  # captured while this one trains
+            self._post_ahead()  # captured while this one trains
             yield self._batch(indices, tensors)
 
-    def _post_ahead(self, pending: deque, following: int, batches: list[list[int]], epoch: int) -> int:
-        """Post requests from batch `following` on until `window` are outstanding or the next would pass this
-        process's byte budget; returns the first batch not posted."""
-        while following < len(batches) and len(pending) < self.settings.window:
-            indices = batches[following]
+    def _restart(self, epoch: int, skip: int) -> None:
+        for *_, name, _, _ in self._pending:
+            self.spool.withdraw(name)
+            self.transport.delete(name)
+        self._pending.clear()
+        self._following = (epoch, skip)
+
+    def _plan(self, epoch: int) -> list[list[int]]:
+        """This process's batches of `epoch` (the current and the next epoch's are kept)."""
+        if epoch not in self._plans:
+            self._plans = {e: batches for e, batches in self._plans.items() if e >= epoch - 1}
+            self._plans[epoch] = self.plan.epoch(self.lengths, epoch)
+        return self._plans[epoch]
+
+    def _post_ahead(self) -> None:
+        """Post requests, in plan order across epochs, until `window` are outstanding or the next would pass this
+        process's byte budget (one is always allowed: no batch exceeds the budget)."""
+        while len(self._pending) < self.settings.window:
+            epoch, index = self._following
+            batches = self._plan(epoch)
+            if index >= len(batches):
+                self._following = (epoch + 1, 0)
+                continue
+            indices = batches[index]
             bound = self._bound(sum(self.lengths[i] for i in indices))
-            outstanding = sum(posted for _, _, posted in pending)
-            if pending and outstanding + bound > self.budget:
-                break
-            name = batch_name(epoch, following, self.plan.rank)
+            outstanding = sum(entry[-1] for entry in self._pending)
+            if self._pending and outstanding + bound > self.budget:
+                return
+            name = batch_name(epoch, index, self.plan.rank)
             self.spool.post(name, self._request(indices))
-            pending.append((name, indices, bound))
+            self._pending.append((epoch, index, name, indices, bound))
             self.peak_bound = max(self.peak_bound, outstanding + bound)
-            following += 1
-        return following
+            self._following = (epoch, index + 1)
 
     def _request(self, indices: list[int]) -> dict:
         return {"input_ids": [self.samples[i].input_ids for i in indices], "pad_id": self.pad_id}

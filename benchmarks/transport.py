@@ -10,8 +10,9 @@ each side's own time, `end-to-end` is from the start of the put to the consumer'
                              imports (the non-CUDA wheel: pip install mooncake-transfer-engine-non-cuda; its master
                              needs libibverbs). Start the master and a holder first:
       mooncake_master --enable_http_metadata_server=true --http_metadata_server_port=8080 --rpc_port=50051 &
-      mooncake_client --global_segment_size="1 GB" --local_buffer_size="64 MB" --master_server_address=127.0.0.1:50051 \\
-          --metadata_server=http://127.0.0.1:8080/metadata --host=127.0.0.1 --port=50052 --protocol=tcp &
+      mooncake_client --global_segment_size="1 GB" --local_buffer_size="64 MB" \\
+          --master_server_address=127.0.0.1:50051 --metadata_server=http://127.0.0.1:8080/metadata \\
+          --host=127.0.0.1 --port=50052 --protocol=tcp &
 
   python benchmarks/transport.py [--size-mb 32] [--repeats 20] [--mooncake-python /path/to/python]
 """

@@ -61,14 +61,24 @@ def _target(cfg: DictConfig) -> tuple[str, Callable[[dict], TargetCapture], str]
         from specgen.capture.vllm import VllmCaptureSettings, load_vllm_capture, meta_target, require_vllm
 
         require_vllm()
-        engine = to_container(cfg.engine)
+        engine, started = to_container(cfg.engine), {}
 
         def build_vllm(run: dict) -> TargetCapture:
-            return load_vllm_capture(VllmCaptureSettings(
-                path=cfg.model.path, dtype=cfg.model.dtype, engine=engine, max_length=run["max_length"],
-                seed=cfg.runtime.seed, aux_layers=list(run["aux_layers"])))
+            """The engine this server started for an earlier run when it captures the same layers and is long enough;
+            else the first engine (a run with other layers or longer samples needs a server of its own)."""
+            layers, length = list(run["aux_layers"]), run["max_length"]
+            if started and not (started["layers"] == layers and length <= started["length"]):
+                raise SpecgenError(f"this engine=vllm server captures aux layers {started['layers']} up to "
+                                   f"data.max_length {started['length']}; the run on {cfg.stream.dir} wants {layers} "
+                                   f"up to {length}: start a new server for it")
+            if not started:
+                started.update(layers=layers, length=length, capture=load_vllm_capture(VllmCaptureSettings(
+                    path=cfg.model.path, dtype=cfg.model.dtype, engine=engine, max_length=length,
+                    seed=cfg.runtime.seed, aux_layers=layers)))
+            return started["capture"]
 
-        return config_hash(meta_target(cfg.model.path, cfg.model.dtype)), build_vllm, f"vLLM, model.dtype={cfg.model.dtype}"
+        own_hash = config_hash(meta_target(cfg.model.path, cfg.model.dtype))
+        return own_hash, build_vllm, f"vLLM, model.dtype={cfg.model.dtype}"
     if cfg.engine.name != "hf":
         raise SpecgenError(f"engine={cfg.engine.name} cannot serve captures; use engine=hf or engine=vllm")
     device = resolve_device(cfg.runtime.device)

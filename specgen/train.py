@@ -1,7 +1,9 @@
-"""`python -m specgen.train`: train an EAGLE-3 draft, offline from shards or online with the target in the loop.
+"""`python -m specgen.train`: train a draft, offline from shards, online with the target in the loop, or
+disaggregated with the target on capture servers (`specgen.capture_server`, `specgen.stream`).
 
     python -m specgen.train data.shards=SHARDS output.dir=CKPT [train.max_steps=N ...]
     python -m specgen.train mode=online model.path=TARGET data.path=CONVERSATIONS output.dir=CKPT
+    python -m specgen.train mode=disaggregated stream.dir=STREAM model.path=TARGET data.path=DATA output.dir=CKPT
     accelerate launch --multi_gpu --num_processes 2 -m specgen.train ... [distributed=zero2]
 
 Read top to bottom: join the process group, open the data (which fixes the target, its aux layers and the
@@ -354,8 +356,8 @@ def stream_data(cfg: DictConfig, plan: BatchPlan, accelerator) -> TrainingData:
     counts = count_trained_tokens((sample.input_ids, sample.loss_mask) for sample in samples)
     return TrainingData(source=source, target_path=str(Path(cfg.model.path).resolve()), target_config_hash=target_hash,
                         aux_layers=aux_layers, token_counts=dict(counts),
-                        embedding=weights.embedding.to(dtype.torch_dtype), lm_head=weights.lm_head.to(dtype.torch_dtype),
-                        target_config=weights.config,
+                        embedding=weights.embedding.to(dtype.torch_dtype),
+                        lm_head=weights.lm_head.to(dtype.torch_dtype), target_config=weights.config,
                         description=f"disaggregated {Path(cfg.data.path).resolve()} ({len(samples)} samples, "
                                     f"captured by servers on {spool.root})")
 

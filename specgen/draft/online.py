@@ -62,11 +62,28 @@ class OnlineBatches:
             yield self.capture_batch([self.samples[i] for i in indices])
 
     def capture_batch(self, samples: list[TokenizedSample]) -> DraftBatch:
-        lengths = torch.tensor([len(sample) for sample in samples])
-        out = self.capture(pad_right([sample.input_ids for sample in samples], self.pad_id), lengths)
-        # The rows are copied out of the capture's (inference-mode) tensors into ordinary ones, laid out as the
-        # offline collate lays out shard rows (padded or packed).
-        rows = [{"input_ids": sample.input_ids, "loss_mask": sample.loss_mask,
-                 "aux_hidden_states": out.aux_hidden_states[b, :len(sample)],
-                 "last_hidden_state": out.last_hidden_state[b, :len(sample)]} for b, sample in enumerate(samples)]
-        return collate(rows, self.pad_id, packed=self.plan.packing)
+        captured = capture_samples(self.capture, [sample.input_ids for sample in samples], self.pad_id)
+        return collate_captured(samples, captured, self.pad_id, packed=self.plan.packing)
+
+
+def capture_samples(capture: TargetCapture, input_ids: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """One batch through the target, right-padded, one forward: `aux` [tokens, aux width] and `last` [tokens, hidden]
+    of its samples end to end, and their `lengths`, where the capture put them. The rows are copied out of the
+    capture's (inference-mode) tensors into ordinary ones; online training and disaggregated capture servers both
+    capture this way."""
+    lengths = torch.tensor([len(ids) for ids in input_ids])
+    out = capture(pad_right(input_ids, pad_id), lengths)
+    rows = range(len(input_ids))
+    return {"aux": torch.cat([out.aux_hidden_states[b, :lengths[b]] for b in rows]),
+            "last": torch.cat([out.last_hidden_state[b, :lengths[b]] for b in rows]), "lengths": lengths}
+
+
+def collate_captured(samples: list[TokenizedSample], captured: dict[str, torch.Tensor], pad_id: int,
+                     packed: bool) -> DraftBatch:
+    """`capture_samples`' rows beside the samples' ids and masks, laid out as the offline collate lays out shard rows
+    (padded or packed)."""
+    lengths = captured["lengths"].tolist()
+    aux, last = captured["aux"].split(lengths), captured["last"].split(lengths)
+    rows = [{"input_ids": sample.input_ids, "loss_mask": sample.loss_mask, "aux_hidden_states": aux[k],
+             "last_hidden_state": last[k]} for k, sample in enumerate(samples)]
+    return collate(rows, pad_id, packed=packed)

@@ -17,7 +17,8 @@ import torch
 
 from specgen.data.sample import TokenizedSample
 from specgen.draft.batches import BatchPlan
-from specgen.draft.ttt import DraftBatch, collate
+from specgen.draft.online import collate_captured
+from specgen.draft.ttt import DraftBatch
 from specgen.errors import SpecgenError
 from specgen.stream.spool import Spool, batch_name
 from specgen.stream.transport import FileTransport, UnreadableObject
@@ -158,10 +159,7 @@ class StreamBatches:
         if lengths != [self.lengths[i] for i in indices]:
             raise SpecgenError(f"a capture server returned lengths {lengths} for samples of lengths "
                                f"{[self.lengths[i] for i in indices]}: it serves another run on {self.spool.root}")
-        aux, last = tensors["aux"].split(lengths), tensors["last"].split(lengths)
-        rows = [{"input_ids": self.samples[i].input_ids, "loss_mask": self.samples[i].loss_mask,
-                 "aux_hidden_states": aux[k], "last_hidden_state": last[k]} for k, i in enumerate(indices)]
-        return collate(rows, self.pad_id, packed=self.plan.packing)
+        return collate_captured([self.samples[i] for i in indices], tensors, self.pad_id, packed=self.plan.packing)
 
     def _bound(self, tokens: int) -> int:
         return tokens * self.bytes_per_token + _HEADER_BYTES

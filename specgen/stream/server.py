@@ -1,8 +1,8 @@
 """A capture server: claims the requests of a stream folder, runs the target's capture forward, puts the objects.
 
-It holds the target and nothing else: no data, no draft, no optimizer. It runs the capture exactly as online
-training does (`capture_batch`: the batch right-padded, one forward, each sample's rows cut out), so a trainer fed
-by servers trains on the tensors an online run computes itself. Servers join and leave at any time; a killed
+It holds the target and nothing else: no data, no draft, no optimizer. It runs the capture online training runs
+(`specgen.draft.online.capture_samples`: the batch right-padded, one forward, each sample's rows cut out), so a
+trainer fed by servers trains on the tensors an online run computes itself. Servers join and leave at any time; a killed
 server's claim is taken over by another (`Spool.claim`).
 """
 
@@ -15,10 +15,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from specgen.capture.target import TargetCapture
-from specgen.data.batching import pad_right
+from specgen.draft.online import capture_samples
 from specgen.stream.spool import Spool, process_started
 from specgen.stream.transport import FileTransport
 
@@ -31,18 +29,6 @@ class ServerSettings:
     exit_when_done: bool = True  # exit once the run this server captured for has finished
     idle_exit_s: float | None = None  # exit after this long with nothing to capture (None: wait)
     server_id: str | None = None  # how the server is named in claims and summaries (None: host-pid-random)
-
-
-def capture_batch(capture: TargetCapture, input_ids: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
-    """One batch through the target: `aux` [tokens, aux width] and `last` [tokens, hidden] of its samples end to end,
-    and their `lengths`."""
-    lengths = torch.tensor([len(ids) for ids in input_ids])
-    with torch.inference_mode():
-        out = capture(pad_right(input_ids, pad_id), lengths)
-    rows = range(len(input_ids))
-    return {"aux": torch.cat([out.aux_hidden_states[b, :lengths[b]] for b in rows]).cpu(),
-            "last": torch.cat([out.last_hidden_state[b, :lengths[b]] for b in rows]).cpu(),
-            "lengths": lengths}
 
 
 class CaptureServer:
@@ -112,7 +98,8 @@ class CaptureServer:
     def _serve_one(self, name: str, capture: TargetCapture, identity: str) -> None:
         request = self.spool.read_request(name)
         if request is not None and not self.transport.has(name):  # withdrawn or done meanwhile: nothing to do
-            tensors = capture_batch(capture, request["input_ids"], request["pad_id"])
+            tensors = {key: value.cpu() for key, value in
+                       capture_samples(capture, request["input_ids"], request["pad_id"]).items()}
             if self.spool.read_request(name) is not None:  # still wanted (a new run may have cleared the folder)
                 # The run's identity goes with the object: one finished after its run was replaced is told apart.
                 self.transport.put(name, tensors, {"server": self.id, "run": identity})

@@ -14,8 +14,8 @@ import uuid
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from specgen.errors import SpecgenError
 
@@ -52,11 +52,9 @@ class FileTransport:
         if not path.exists():
             return None
         try:
-            from safetensors import safe_open
-
-            with safe_open(str(path), framework="pt") as handle:
+            with safe_open(str(path), framework="pt") as handle:  # one open for the tensors and the metadata
                 meta = json.loads((handle.metadata() or {}).get("meta", "{}"))
-            return load_file(str(path)), meta
+                return {key: handle.get_tensor(key) for key in handle.keys()}, meta
         except FileNotFoundError:
             return None
         except (SafetensorError, OSError, ValueError) as error:

@@ -147,3 +147,77 @@ def test_a_packed_row_trains_exactly_like_padded_rows(mask_shift):
     assert packed_grads.keys() == padded_grads.keys()
     for name in padded_grads:
         torch.testing.assert_close(packed_grads[name], padded_grads[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("chunk", [1, 40])
+def test_long_rows_attend_in_chunks_exactly_like_one_dense_pass(monkeypatch, packed, chunk):
+    """Above ATTENTION_CHUNK score elements the draft attends in query chunks over each chunk's visible keys
+    (recomputed in backward): same loss, statistics and gradients as one dense pass, in packed and padded rows,
+    with chunks that cross sample boundaries (40 elements: 2-3 queries of 4 heads)."""
+    import specgen.draft.model as draft_model
+
+    torch.manual_seed(2)
+    target_vocab = 50
+    head = TargetHead(torch.randn(target_vocab, 32), VocabMapping(torch.arange(target_vocab), target_vocab))
+    rows = [{"input_ids": torch.randint(0, target_vocab, (n,)), "loss_mask": torch.tensor(mask),
+             "aux_hidden_states": torch.randn(n, 96), "last_hidden_state": torch.randn(n, 32)}
+            for n, mask in [(7, LOSS_MASK), (5, [0, 1, 1, 1, 1]), (6, [0, 0, 1, 1, 0, 1])]]
+    initial = tiny_draft(draft_vocab=target_vocab)
+    initial.t2d.fill_(True)
+    batch = collate(rows, packed=packed)
+    target = head.distribution(batch.last_hidden_state, target_positions_needed(batch.loss_mask))
+    results = []
+    for limit in (10 ** 12, chunk):
+        monkeypatch.setitem(draft_model.ATTENTION_CHUNK, "cpu", limit)
+        draft = copy.deepcopy(initial)
+        out = ttt_forward(draft, batch.input_ids, batch.loss_mask, batch.aux_hidden_states, target, ttt_length=4,
+                          decay=1.0, position_ids=batch.position_ids, document_ids=batch.document_ids)
+        out.loss.backward()
+        results.append((out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+    (dense, dense_grads), (chunked, chunked_grads) = results
+    assert dense.stats[:, 3].sum() > 0
+    assert torch.equal(chunked.stats[:, 1:], dense.stats[:, 1:])  # the counts; the loss sums to rounding
+    torch.testing.assert_close(chunked.stats, dense.stats, rtol=1e-5, atol=0)
+    torch.testing.assert_close(chunked.loss, dense.loss, rtol=1e-5, atol=0)
+    for name in dense_grads:
+        torch.testing.assert_close(chunked_grads[name], dense_grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_sample_starts_finds_where_each_sample_of_a_row_begins():
+    from specgen.draft.model import sample_starts
+
+    documents = torch.tensor([[0, 0, 0, 1, 1, 2, -1, -1], [3, 3, 3, 3, 3, -1, -1, -1]])
+    assert sample_starts(documents).tolist() == [[0, 0, 0, 3, 3, 5, 6, 6], [0, 0, 0, 0, 0, 5, 5, 5]]
+
+
+def test_long_steps_score_in_chunks_exactly_like_one_pass(monkeypatch):
+    """Above SCORE_CHUNK positions a step's loss runs a chunk at a time (recomputed in backward): same loss,
+    statistics and gradients as scoring every position at once."""
+    import specgen.draft.ttt as ttt
+
+    torch.manual_seed(3)
+    target_vocab = 50
+    head = TargetHead(torch.randn(target_vocab, 32), VocabMapping(torch.arange(target_vocab), target_vocab))
+    rows = [{"input_ids": torch.randint(0, target_vocab, (n,)), "loss_mask": torch.tensor(mask),
+             "aux_hidden_states": torch.randn(n, 96), "last_hidden_state": torch.randn(n, 32)}
+            for n, mask in [(7, LOSS_MASK), (5, [0, 1, 1, 1, 1])]]
+    initial = tiny_draft(draft_vocab=target_vocab)
+    initial.t2d[::3] = True  # some targets out of the draft vocabulary: dropped from the loss, counted as misses
+    batch = collate(rows)
+    target = head.distribution(batch.last_hidden_state, target_positions_needed(batch.loss_mask))
+    results = []
+    for limit in (ttt.SCORE_CHUNK, 2):
+        monkeypatch.setattr(ttt, "SCORE_CHUNK", limit)
+        draft = copy.deepcopy(initial)
+        out = ttt_forward(draft, batch.input_ids, batch.loss_mask, batch.aux_hidden_states, target, ttt_length=3,
+                          decay=0.8, position_ids=batch.position_ids, document_ids=batch.document_ids)
+        out.loss.backward()
+        results.append((out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+    (whole, whole_grads), (chunked, chunked_grads) = results
+    assert whole.stats[0, 1] > 0 and whole.stats[0, 1] < whole.stats[0, 3]  # some dropped, some scored
+    assert torch.equal(chunked.stats[:, 1:], whole.stats[:, 1:])  # the counts; the loss sums to rounding
+    torch.testing.assert_close(chunked.stats, whole.stats, rtol=1e-5, atol=0)
+    torch.testing.assert_close(chunked.loss, whole.loss, rtol=1e-5, atol=0)
+    for name in whole_grads:
+        torch.testing.assert_close(chunked_grads[name], whole_grads[name], rtol=1e-4, atol=1e-6)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -38,6 +39,10 @@ from transformers.models.llama.modeling_llama import (
 from specgen.errors import SpecgenError
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+# Attention score elements (batch x heads x queries x keys) computed at once, per device type; longer rows attend
+# in query chunks (docs/benchmarks/2026-11-26-cuda-and-long-samples.md: on CPU 2^22 ran an 8k-token packed row
+# 13x faster than one dense pass; on a GPU larger chunks keep the kernel launches few).
+ATTENTION_CHUNK = {"cpu": 1 << 22, "cuda": 1 << 26}
 
 # Target config entries the draft inherits: its single layer has the target's shape, so the draft's hidden state
 # lives in the target's embedding space and attention uses the target's rotary scheme.
@@ -188,30 +193,68 @@ class DraftAttention(nn.Module):
 
         The n queries sit at the last n base indices (q_start = base_length - n): in training n is the whole
         sequence, in decoding it is the newly verified positions (base step) or the last position (chain step).
+        Up to ATTENTION_CHUNK score elements this is one dense pass; above it (long training rows) the queries
+        run in chunks, each over the keys its queries can see (from the first one's sample start to its own
+        index), recomputed in backward (`torch.utils.checkpoint`), so memory grows linearly with the row.
         """
-        repeat = self.num_heads // self.num_kv_heads
         n, base_length = q.shape[2], kv.base_length
-        q_start = base_length - n
+        chain_keys = torch.stack([k for k, _ in kv.chain], dim=-2) if kv.chain else None  # [B, Hkv, n, steps, d]
+        chain_values = torch.stack([v for _, v in kv.chain], dim=-2) if kv.chain else None
+        budget = ATTENTION_CHUNK.get(q.device.type, ATTENTION_CHUNK["cpu"])
+        size = max(1, budget // (q.shape[0] * q.shape[1] * base_length))
+        if size >= n:
+            documents = None if kv.document_ids is None else kv.document_ids[:, :base_length]
+            return self._attend_rows(q, kv.base_keys, kv.base_values, chain_keys, chain_values, documents,
+                                     base_length - n)
+        # where the earliest sample of any row starts at each index (one device-to-host copy per step)
+        starts = sample_starts(kv.document_ids).min(dim=0).values.tolist() if kv.document_ids is not None else None
+        outs = []
+        for lo in range(0, n, size):
+            hi, first = min(lo + size, n), base_length - n + lo  # queries [lo, hi) sit at base indices first..
+            key_lo = starts[first] if starts is not None else 0
+            key_hi = base_length - n + hi
+            args = (q[:, :, lo:hi], kv.base_keys[:, :, key_lo:key_hi], kv.base_values[:, :, key_lo:key_hi],
+                    None if chain_keys is None else chain_keys[:, :, lo:hi],
+                    None if chain_values is None else chain_values[:, :, lo:hi],
+                    None if kv.document_ids is None else kv.document_ids[:, key_lo:key_hi], first - key_lo)
+            outs.append(checkpoint(self._attend_rows, *args, use_reentrant=False) if torch.is_grad_enabled()
+                        else self._attend_rows(*args))
+        return torch.cat(outs, dim=2)
+
+    def _attend_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     chain_keys: torch.Tensor | None, chain_values: torch.Tensor | None,
+                     document_ids: torch.Tensor | None, q_start: int) -> torch.Tensor:
+        """Queries q [B, H, n, d] at key indices q_start.. over keys/values [B, Hkv, K, d] (causal, within the
+        query's document when `document_ids` [B, K] is given) and the chain entries [B, Hkv, n, steps, d] at each
+        query's own index."""
+        repeat = self.num_heads // self.num_kv_heads
+        n, length = q.shape[2], keys.shape[2]
         scale = 1.0 / math.sqrt(self.head_dim)
-        keys, values = _repeat_kv(kv.base_keys, repeat), _repeat_kv(kv.base_values, repeat)
-        scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [B, H, n, base_length]
-        query_index = torch.arange(q_start, base_length, device=q.device)[:, None]
-        key_index = torch.arange(base_length, device=q.device)[None, :]
+        scores = torch.matmul(q, _repeat_kv(keys, repeat).transpose(2, 3)) * scale  # [B, H, n, K]
+        query_index = torch.arange(q_start, q_start + n, device=q.device)[:, None]
+        key_index = torch.arange(length, device=q.device)[None, :]
         hidden = key_index > query_index
-        if kv.document_ids is not None:  # packed training rows: attend within the query's own sample
-            documents = kv.document_ids[:, None, :base_length]
-            hidden = hidden | (documents[..., q_start:, None] != documents[..., None, :])
+        if document_ids is not None:  # packed training rows: attend within the query's own sample
+            documents = document_ids[:, None, :]
+            hidden = hidden | (documents[..., q_start:q_start + n, None] != documents[..., None, :])
         scores = scores.masked_fill(hidden, float("-inf"))
-        if kv.chain:
-            chain_keys = torch.stack([_repeat_kv(k, repeat) for k, _ in kv.chain], dim=-2)  # [B, H, n, steps, d]
-            chain_values = torch.stack([_repeat_kv(v, repeat) for _, v in kv.chain], dim=-2)
+        if chain_keys is not None:
+            chain_keys, chain_values = _repeat_kv(chain_keys, repeat), _repeat_kv(chain_values, repeat)
             diagonal = (q.unsqueeze(-2) * chain_keys).sum(-1) * scale  # [B, H, n, steps]
             scores = torch.cat([scores, diagonal], dim=-1)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs[..., :base_length], values)
-        if kv.chain:
-            out = out + (probs[..., base_length:].unsqueeze(-1) * chain_values).sum(-2)
+        out = torch.matmul(probs[..., :length], _repeat_kv(values, repeat))
+        if chain_keys is not None:
+            out = out + (probs[..., length:].unsqueeze(-1) * chain_values).sum(-2)
         return out
+
+
+def sample_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] long: the index where each token's sample (run of equal document ids) starts in its row."""
+    index = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
+    boundary = torch.ones_like(document_ids, dtype=torch.bool)
+    boundary[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return torch.where(boundary, index, torch.zeros_like(index)).cummax(dim=1).values
 
 
 class DraftDecoderLayer(nn.Module):

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from specgen.draft.model import DraftKV, Eagle3Draft
 from specgen.draft.target_head import TargetDistribution, TargetHead
@@ -96,6 +97,9 @@ def shift_left(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
+# Positions a step scores at once (its logits over the draft vocabulary); longer rows score in chunks.
+SCORE_CHUNK = 4096
+
 # train.loss_mask -> mask_shift: step j at index i is scored where m[i + mask_shift + j] = 1.
 MASK_SHIFTS = {"predicted": 2, "input": 1}
 
@@ -149,6 +153,8 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Te
     scorable = [predicted_token_mask(loss_mask, step, mask_shift) & same_document(document_ids, step, mask_shift)
                 for step in range(ttt_length)]
     chain = scorable[0].clone()  # indices whose chain is still all right
+    flat_probs = target.probs.reshape(-1, target.probs.shape[-1])  # [B*T, Vd]
+    flat_index = torch.arange(flat_probs.shape[0], device=input_ids.device).view(input_ids.shape)
     for step in range(ttt_length):
         scored = seq_len - 1 - step  # indices whose target position i+1+step lies inside the sequence
         if scored <= 0:
@@ -156,16 +162,15 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Te
         hidden = draft(shift_left(input_ids, 1 + step), hidden, position_ids + step, kv, extend_base=step == 0)
         # Only positions whose predicted token is trained are scored (and only they need the LM head).
         predicted = scorable[step][:, :scored]
-        log_probs = F.log_softmax(draft.logits(hidden[:, :scored][predicted]).float(), dim=-1)  # [N, Vd]
         target_argmax = target.argmax[:, 1 + step:][predicted]
         in_vocab = draft.t2d[target_argmax.clamp(min=0)]
         in_loss = in_vocab if drop_out_of_vocab else torch.ones_like(in_vocab)
-        target_probs = target.probs[:, 1 + step:][predicted][in_loss]
-        loss_sum = -(target_probs * log_probs[in_loss]).sum()
+        rows = (flat_index[:, 1 + step:][predicted])  # where each scored index's target sits in target.probs
+        loss_sum, guesses = score_positions(draft, hidden[:, :scored][predicted], flat_probs, rows, in_loss)
         valid = in_loss.sum()
         losses.append(loss_sum / valid.clamp(min=1) * decay ** step)
         with torch.no_grad():
-            hits = draft.to_target_ids(log_probs.argmax(-1)) == target_argmax
+            hits = draft.to_target_ids(guesses) == target_argmax
             right = torch.zeros_like(chain)
             right[:, :scored][predicted] = hits
             chain &= right
@@ -174,6 +179,33 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Te
     # A batch of 1-token samples scores nothing; its zero loss still touches the weights so backward() works.
     loss = torch.stack(losses).sum() if losses else draft.fc.weight.sum() * 0
     return TTTOutput(loss=loss, stats=stats)
+
+
+def score_positions(draft: Eagle3Draft, outputs: torch.Tensor, target_probs: torch.Tensor, rows: torch.Tensor,
+                    in_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy sum against the target over the positions `in_loss` marks, and the draft's guesses (draft
+    ids) at all of them: outputs [N, H] (a step's outputs), target_probs [M, Vd] with each output's target at row
+    `rows` [N], in_loss [N] bool.
+
+    Above SCORE_CHUNK positions (long rows) this runs a chunk of positions at a time, recomputed in backward
+    (`torch.utils.checkpoint`), so no [N, Vd] logits, log-probabilities or target copies are kept per step.
+    """
+    if outputs.shape[0] <= SCORE_CHUNK:
+        return _score(draft, outputs, target_probs, rows, in_loss)
+    sums, guesses = [], []
+    for lo in range(0, outputs.shape[0], SCORE_CHUNK):
+        part = (outputs[lo:lo + SCORE_CHUNK], target_probs, rows[lo:lo + SCORE_CHUNK], in_loss[lo:lo + SCORE_CHUNK])
+        loss_sum, guess = (checkpoint(_score, draft, *part, use_reentrant=False) if torch.is_grad_enabled()
+                           else _score(draft, *part))
+        sums.append(loss_sum)
+        guesses.append(guess)
+    return torch.stack(sums).sum(), torch.cat(guesses)
+
+
+def _score(draft: Eagle3Draft, outputs: torch.Tensor, target_probs: torch.Tensor, rows: torch.Tensor,
+           in_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    log_probs = F.log_softmax(draft.logits(outputs).float(), dim=-1)  # [N, Vd]
+    return -(target_probs[rows[in_loss]] * log_probs[in_loss]).sum(), log_probs.detach().argmax(-1)
 
 
 def step_metrics(stats: torch.Tensor, decay: float) -> dict[str, float]:

@@ -100,7 +100,9 @@ def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
     requested = cfg.capture.aux_layers
     aux_layers = (default_aux_layers(num_layers) if requested is None
                   else validate_aux_layers(list(requested), num_layers))
-    capture = make_capture(model, aux_layers)
+    if cfg.capture.compile and cfg.engine.name != "hf":
+        log.warning("capture.compile=true is for engine=hf; engine=%s runs its layers eagerly", cfg.engine.name)
+    capture = make_capture(model, aux_layers, compile=bool(cfg.capture.compile) and cfg.engine.name == "hf")
     if cfg.engine.name == "deepspeed":
         capture = ZeroCapture(capture, zero3_config, keepalive)
     if cfg.capture.prefix_reuse and not capture.supports_kv:
@@ -411,7 +413,7 @@ def build_manifest(cfg: DictConfig, out_dir: Path, target: Target, tokenizer, id
                       "vocab_size": len(tokenizer)},
         "capture": {"aux_layers": list(capture.aux_layers), "aux_layer_convention": AUX_LAYER_CONVENTION,
                     "last_hidden_state": "post_norm: output of the final norm, the input of lm_head",
-                    "backend": capture.backend},
+                    "backend": capture.backend, "compiled": capture.compiled},
         "dtype": target.spec.dtype, "hidden_size": target.spec.hidden_size, "num_aux": target.spec.num_aux,
         "codec": "fp8" if target.spec.codec == "fp8" else target.spec.dtype,
         "outputs": {**target.outputs.describe(), "filter": target.sample_filter.describe()},

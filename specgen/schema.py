@@ -59,6 +59,7 @@ KEYS: dict[str, Key] = {
     "capture.batch_tokens": _k("int", min=POSITIVE),
     "capture.max_batch_size": _k("int", min=POSITIVE),
     "capture.packing": _k("bool"),
+    "capture.compile": _k("bool"),
     "capture.prefill_chunk_tokens": _k("int", null=True, min=POSITIVE),
     "capture.logits": _k("str", choices=("none", "topk", "full")),
     "capture.topk": _k("int", min=POSITIVE),

@@ -312,7 +312,7 @@ def online_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> Train
     dtype = resolve_model_dtype(cfg.model.dtype, device, cfg.model.path)
     model = load_target(cfg.model.path, dtype=dtype.name, device=str(device),
                         attn_implementation=cfg.model.attn_implementation)
-    capture = make_capture(model, _aux_layers(cfg, model.config))
+    capture = make_capture(model, _aux_layers(cfg, model.config), compile=bool(cfg.capture.compile))
     counts = count_trained_tokens((sample.input_ids, sample.loss_mask) for sample in samples)
     return TrainingData(source=OnlineBatches(samples, capture, plan, pad_id=_pad_id(tokenizer)),
                         target_path=str(Path(cfg.model.path).resolve()), target_config_hash=config_hash(model),

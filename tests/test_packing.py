@@ -225,3 +225,30 @@ def test_packed_batches_keep_the_budget_and_the_padded_order(max_batch_size):
     assert max_batch_size is None or all(len(b) <= max_batch_size for b in batches)
     order = [s.sample_id for b in batches for s in b]
     assert order == [s.sample_id for b in token_budget_batches(samples, 1024, max_batch_size) for s in b]
+
+
+@pytest.mark.slow
+def test_compiled_capture_equals_eager_packed_and_padded(tmp_path):
+    """capture.compile=true (decoder layers under torch.compile, dynamic shapes): the same dataset as the eager
+    forward, packed and padded, and the manifest says it compiled; the packed attention stays one eager call per
+    layer (its segment bounds never become part of a graph)."""
+    target = build_tiny_model("llama", tmp_path / "llama", vocab_size=2048, tokenizer_dir=ASSETS_DIR / "tokenizer")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eager = generate(target, tmp_path / "eager")
+        compiled = generate(target, tmp_path / "compiled", "capture.compile=true")
+        padded = generate(target, tmp_path / "padded", "capture.compile=true", "capture.packing=false")
+    assert compiled["capture"]["compiled"] and not eager["capture"]["compiled"]
+    assert compiled["padding"]["ratio"] == 1.0 and padded["padding"]["ratio"] > 1.0
+    columns = ("aux_hidden_states", "last_hidden_state")
+    assert_same_dataset(tmp_path / "compiled", tmp_path / "eager", columns)
+    assert_same_dataset(tmp_path / "padded", tmp_path / "eager", columns)
+
+
+def test_compile_on_a_backend_that_cannot_is_said_and_recorded(tmp_path, caplog):
+    target = build_tiny_model("gpt2", tmp_path / "gpt2", vocab_size=2048, tokenizer_dir=ASSETS_DIR / "tokenizer")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        manifest = generate(target, tmp_path / "out", "capture.compile=true", "data.max_rows=4")
+    assert manifest["capture"]["backend"] == "generic" and manifest["capture"]["compiled"] is False
+    assert "capture.compile=true, but the generic capture backend runs its forward eagerly" in caplog.text

@@ -11,6 +11,8 @@ see `specgen.capture.layers`. Llama-family models use a dedicated layer-by-layer
 (`specgen.capture.llama`); any other causal LM falls back to forward hooks (`specgen.capture.generic`).
 """
 
+import logging
+
 import transformers
 
 from specgen.capture.generic import HookCapture
@@ -23,10 +25,20 @@ __all__ = [
     "validate_aux_layers",
 ]
 
+log = logging.getLogger(__name__)
 
-def make_capture(model: transformers.PreTrainedModel, aux_layers: list[int] | None) -> TargetCapture:
+
+def make_capture(model: transformers.PreTrainedModel, aux_layers: list[int] | None,
+                 compile: bool = False) -> TargetCapture:
     """The capture backend for `model`: the dedicated Llama-family forward where the exact class is
-    known to share the Llama structure, otherwise the generic hook backend (which warns)."""
-    if type(model).__name__ in LLAMA_FAMILY:
-        return LlamaFamilyCapture(model, aux_layers)
-    return HookCapture(model, aux_layers)
+    known to share the Llama structure, otherwise the generic hook backend (which warns).
+    `compile` (capture.compile): its decoder layers under torch.compile where the backend can (`capture.compiled`
+    says whether it did; a backend that cannot says so in a warning)."""
+    capture = LlamaFamilyCapture(model, aux_layers) if type(model).__name__ in LLAMA_FAMILY else \
+        HookCapture(model, aux_layers)
+    if compile and capture.supports_compile:
+        capture.compile()
+    elif compile:
+        log.warning("capture.compile=true, but the %s capture backend runs its forward eagerly (only the llama "
+                    "backend compiles its decoder layers)", capture.backend)
+    return capture

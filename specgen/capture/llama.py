@@ -52,6 +52,7 @@ class LlamaFamilyCapture(TargetCapture):
     def __init__(self, model: transformers.PreTrainedModel, aux_layers: list[int] | None):
         super().__init__(model, aux_layers)
         self._layer_types = [attention_type(model.config, layer) for layer in range(self.num_layers)]
+        self._compiled_layers: list | None = None  # compile(): the decoder layers under torch.compile
         unsupported = sorted(set(self._layer_types) - _MASK_BUILDERS.keys())
         if unsupported:
             raise SpecgenError(f"{type(model).__name__} uses attention layer types {unsupported}, which the llama "
@@ -65,6 +66,26 @@ class LlamaFamilyCapture(TargetCapture):
     def supports_packing(self) -> bool:
         return True
 
+    @property
+    def supports_compile(self) -> bool:
+        return True
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled_layers is not None
+
+    def compile(self) -> None:
+        """Each decoder layer under `torch.compile(dynamic=True)` (inductor: fused norms, rotary, SwiGLU; one graph
+        for every batch shape) in the plain and packed forwards; the packed attention itself runs eagerly (it is
+        excluded from compilation), and prefix-reuse continuations and chunked prefill keep the eager layers.
+        The first batches pay the compilation (tens of seconds to minutes)."""
+        self._compiled_layers = [torch.compile(layer, dynamic=True)
+                                 for layer in self.model.model.layers[:self.num_layers]]
+
+    def _layers(self, compiled: bool) -> list:
+        return self._compiled_layers if compiled and self._compiled_layers is not None else \
+            list(self.model.model.layers[:self.num_layers])
+
     def _forward_packed(self, input_ids: torch.LongTensor, segments: PackedSegments) -> CaptureOutput:
         """One packed row: positions restart at each segment, attention is block-diagonal (no mask tensor)."""
         body = self.model.model
@@ -73,7 +94,7 @@ class LlamaFamilyCapture(TargetCapture):
         position_embeddings = body.rotary_emb(hidden_state, position_ids)
         aux = self._new_aux_buffer(input_ids)
         with packed_attention(self.model.config, segments):
-            for index, decoder_layer in enumerate(body.layers[:self.num_layers]):
+            for index, decoder_layer in enumerate(self._layers(compiled=True)):
                 output = decoder_layer(hidden_state, attention_mask=None, position_ids=position_ids,
                                        position_embeddings=position_embeddings, use_cache=False)
                 hidden_state = output[0] if isinstance(output, tuple) else output
@@ -105,7 +126,7 @@ class LlamaFamilyCapture(TargetCapture):
         recorder = KVRecorder(past, keep_kv) if past is not None or keep_kv else None
         cache = recorder if recorder is not None else past_key_values
         aux = self._new_aux_buffer(input_ids)
-        for index, decoder_layer in enumerate(body.layers[:self.num_layers]):
+        for index, decoder_layer in enumerate(self._layers(compiled=cache is None)):
             output = decoder_layer(hidden_state, attention_mask=masks[self._layer_types[index]],
                                    position_ids=position_ids, position_embeddings=position_embeddings,
                                    use_cache=cache is not None, **cache_kwarg(cache))

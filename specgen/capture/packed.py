@@ -13,8 +13,9 @@ swaps `config._attn_implementation` to it for the duration of the forward (`pack
 transformers' mask builders build NO mask (an unregistered mask kind returns None), so no [T, T] mask ever exists.
 Per segment it runs:
   CPU                    SDPA's fused flash kernel with `is_causal` (GQA-aware, no mask), one call per segment;
-  CUDA with flash-attn   one `flash_attn_varlen_func` call over the whole row (cu_seqlens), when flash_attn is
-                         installed and the dtype is fp16/bf16 (NOT run in this project's CI, which has no GPU);
+  CUDA, fp16/bf16        one varlen call over the whole row (cu_seqlens): flash-attn's `flash_attn_varlen_func`
+                         when installed, else PyTorch's own `torch.nn.attention.varlen.varlen_attn` (torch >= 2.11;
+                         neither runs in this project's CI, which has no GPU);
   otherwise              `scaled_dot_product_attention(is_causal=True)` per segment;
 and a segment longer than its layer's sliding window gets an explicit [len, len] window mask of its own.
 
@@ -25,6 +26,7 @@ refused too. The generic backend also checks its first packed batch against the 
 """
 
 import contextvars
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -45,6 +47,8 @@ class PackedSegments:
 
     bounds: list[int]
     calls: int = field(default=0, compare=False)  # attention calls made under these segments (one per layer)
+    kernel: str = field(default="", compare=False)  # the attention kernel the last call ran (KERNELS)
+    _cu_seqlens: dict = field(default_factory=dict, compare=False, repr=False)  # device -> int32 bounds
 
     @classmethod
     def from_lengths(cls, lengths: list[int]) -> "PackedSegments":
@@ -65,6 +69,12 @@ class PackedSegments:
 
     def spans(self) -> Iterator[tuple[int, int]]:
         return zip(self.bounds, self.bounds[1:])
+
+    def cu_seqlens(self, device: torch.device) -> torch.Tensor:
+        """`bounds` as an int32 tensor on `device` (varlen kernels' cu_seqlens), copied there once, not per layer."""
+        if device not in self._cu_seqlens:
+            self._cu_seqlens[device] = torch.tensor(self.bounds, dtype=torch.int32, device=device)
+        return self._cu_seqlens[device]
 
     def position_ids(self, device: torch.device) -> torch.LongTensor:
         """[1, N]: each token's position within its own sequence."""
@@ -92,12 +102,27 @@ def packed_attention(config: transformers.PreTrainedConfig, segments: PackedSegm
         _ACTIVE.reset(token)
 
 
+# What packed_attention_forward may run: one varlen call over the row, or one SDPA call per segment.
+KERNELS = ("flash-attn varlen", "torch varlen", "sdpa per segment")
+
+
 def _flash_varlen():
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:
         return None
     return flash_attn_varlen_func
+
+
+def _torch_varlen():
+    """PyTorch's varlen attention when this build takes `window_size` and `scale` (torch >= 2.11; 2.9's first
+    version took only is_causal); None otherwise."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    parameters = inspect.signature(varlen_attn).parameters
+    return varlen_attn if {"window_size", "scale"} <= parameters.keys() else None
 
 
 def _window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
@@ -107,6 +132,7 @@ def _window_mask(length: int, window: int, device: torch.device) -> torch.Tensor
     return (distance >= 0) & (distance < window)
 
 
+@torch.compiler.disable  # under capture.compile: one graph break here, not a graph per set of segment bounds
 def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask, scaling: float | None = None, dropout: float = 0.0,
                              sliding_window: int | None = None, softcap: float | None = None,
@@ -123,9 +149,15 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                                  f"{tuple(query.shape)} and key {tuple(key.shape)}")
     segments.calls += 1
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    flash = _flash_varlen() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
-    if flash is not None:
-        return _flash_varlen_forward(flash, query, key, value, segments, scale, sliding_window), None
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        flash, native = _flash_varlen(), _torch_varlen()
+        if flash is not None:
+            segments.kernel = KERNELS[0]
+            return _flash_varlen_forward(flash, query, key, value, segments, scale, sliding_window), None
+        if native is not None:
+            segments.kernel = KERNELS[1]
+            return _torch_varlen_forward(native, query, key, value, segments, scale, sliding_window), None
+    segments.kernel = KERNELS[2]
     out = torch.empty_like(query)
     for lo, hi in segments.spans():
         q, k, v = query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi]
@@ -146,11 +178,30 @@ def _flash_varlen_forward(flash, query, key, value, segments: PackedSegments, sc
                           sliding_window: int | None) -> torch.Tensor:
     """One flash-attn varlen call over the whole packed row: [1, N, H, d]. flash-attn takes [N, heads, d] and
     handles GQA itself; window_size=(w - 1, 0) with causal=True is HF's window rule."""
-    cu_seqlens = torch.tensor(segments.bounds, dtype=torch.int32, device=query.device)
+    cu_seqlens = segments.cu_seqlens(query.device)
     longest = max(segments.lengths)
     window = (sliding_window - 1, 0) if sliding_window is not None and sliding_window < longest else (-1, -1)
     out = flash(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_seqlens, cu_seqlens,
                 longest, longest, dropout_p=0.0, softmax_scale=scale, causal=True, window_size=window)
+    return out[None]
+
+
+def _torch_varlen_forward(varlen_attn, query, key, value, segments: PackedSegments, scale: float,
+                          sliding_window: int | None) -> torch.Tensor:
+    """One `torch.nn.attention.varlen.varlen_attn` call over the whole packed row: [1, N, H, d]. It takes
+    [N, heads, d]; window_size=(-1, 0) is causal, (w - 1, 0) HF's window rule as for flash-attn. A build without
+    `enable_gqa` (torch 2.11) gets the key/value heads repeated for grouped-query attention."""
+    cu_seqlens = segments.cu_seqlens(query.device)
+    longest = max(segments.lengths)
+    window = (sliding_window - 1, 0) if sliding_window is not None and sliding_window < longest else (-1, 0)
+    groups = query.shape[1] // key.shape[1]
+    gqa = {}
+    if groups > 1 and "enable_gqa" in inspect.signature(varlen_attn).parameters:
+        gqa = {"enable_gqa": True}
+    elif groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = varlen_attn(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_seqlens,
+                      cu_seqlens, longest, longest, scale=scale, window_size=window, **gqa)
     return out[None]
 
 

@@ -143,6 +143,21 @@ class TargetCapture(ABC):
         """Whether `packed` works: sequences end to end in one row, no padding (see `specgen.capture.packed`)."""
         return False
 
+    @property
+    def supports_compile(self) -> bool:
+        """Whether `compile()` works (the llama backend's decoder layers; see `LlamaFamilyCapture.compile`)."""
+        return False
+
+    @property
+    def compiled(self) -> bool:
+        """Whether `compile()` ran: the plain and packed forwards call compiled decoder layers."""
+        return False
+
+    def compile(self) -> None:
+        """Run the decoder layers under `torch.compile` (capture.compile); only where `supports_compile`."""
+        raise SpecgenError(f"the {self.backend} capture backend cannot compile its forward; capture.compile=true "
+                           "needs a Llama-family target (the llama backend)")
+
     @torch.inference_mode()
     def packed(self, input_ids: torch.LongTensor, segments: PackedSegments) -> CaptureOutput:
         """Capture sequences laid end to end in one row: input_ids [1, N], `segments` where each one starts; the

@@ -10,18 +10,23 @@
   (3) memory    peak resident memory of the generate loop (above the process's memory once the target is loaded
                 and paged in) against the number of captured layers, and against the model depth at a fixed number
                 of captured layers.
+  (4) uneven    2 processes on rows whose work units alternate long and short rows (a static unit % 2 split would
+                give one process 2/3 of the tokens) against the same rows mixed in every unit, and 1 process: with
+                dynamic claims the uneven job should take no longer than the even one (target: within 1.1x).
 
 Each measurement runs in a fresh process. Models are tiny random Llamas carrying the bundled 2048-token tokenizer.
 Compute runs on one thread per process by default: on a small shared CPU box, two OpenMP threads per process are
 not faster than one (see the "1 process x 2 threads" row) and make the timings erratic.
 
   python benchmarks/distributed.py [--rows 200] [--hidden 256] [--layers 8] [--threads 1] [--device auto]
+      [--skip scaling,overlap,memory,uneven]
 """
 
 import argparse
 import copy
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,6 +85,58 @@ def scaling(model: Path, work: Path, args) -> list[tuple[str, float]]:
             sys.exit(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
         last_run = json.loads((out_dir / "manifest.json").read_text())["last_run"]
         results.append((name, last_run["tokens_per_second"]))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------- (4) uneven
+
+UNEVEN_UNIT_ROWS = 25
+
+
+def uneven_data(work: Path, rows: int) -> tuple[Path, Path]:
+    """The same rows in two orders, as work units of UNEVEN_UNIT_ROWS rows: `uneven` alternates a unit of long rows
+    (each conversation said twice) with a unit of short ones, so a static `unit % 2` split would hand one process
+    all the long rows (2/3 of the tokens); `even` mixes long and short rows in every unit. Same tokens in both."""
+    work.mkdir(parents=True, exist_ok=True)
+    source = [json.loads(line) for line in (ASSETS_DIR / "chat" / "train.jsonl").read_text().splitlines()[:rows]]
+    half = len(source) // 2
+    long = [{**row, "id": f"long-{i}", "conversations": row["conversations"] * 2}
+            for i, row in enumerate(source[:half])]
+    short = [{**row, "id": f"short-{i}"} for i, row in enumerate(source[half:2 * half])]
+    uneven, even = [], []
+    for start in range(0, half, UNEVEN_UNIT_ROWS):
+        uneven += long[start:start + UNEVEN_UNIT_ROWS] + short[start:start + UNEVEN_UNIT_ROWS]
+        for a, b in zip(long[start:start + UNEVEN_UNIT_ROWS], short[start:start + UNEVEN_UNIT_ROWS]):
+            even += [a, b]
+    paths = work / "uneven.jsonl", work / "even.jsonl"
+    for path, data in zip(paths, (uneven, even)):
+        path.write_text("".join(json.dumps(row) + "\n" for row in data))
+    return paths
+
+
+def uneven(model: Path, work: Path, args) -> list[dict]:
+    """2 processes on the uneven and the even order of the same rows (and 1 process on the uneven one):
+    job seconds, tokens, and units each process claimed, from the manifests."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "specgen.generate"]
+    uneven_path, even_path = uneven_data(work / "data", args.rows)
+    results = []
+    for repeat in range(args.repeats):
+        for name, cmd, data in (("2 processes, uneven units", launch, uneven_path),
+                                ("2 processes, even units", launch, even_path),
+                                ("1 process, uneven units", [sys.executable, "-m", "specgen.generate"], uneven_path)):
+            out_dir = work / f"{name.replace(' ', '_').replace(',', '')}-{repeat}"
+            overrides = [arg for arg in generate_args(model, out_dir, args) if not arg.startswith(("data.path=",
+                         "output.shard_size="))]
+            proc = subprocess.run([*cmd, *overrides, f"data.path={data}", f"output.shard_size={UNEVEN_UNIT_ROWS}",
+                                   "capture.prefix_reuse=false"], cwd=REPO, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                sys.exit(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+            manifest = json.loads((out_dir / "manifest.json").read_text())
+            results.append({"name": name, "seconds": manifest["last_run"]["seconds"],
+                            "tokens": manifest["stats"]["tokens"],
+                            "units": manifest["last_run"].get("units_by_process") or {}})
     return results
 
 
@@ -273,7 +330,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="compute threads per process in (2) and (3)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: scaling,overlap,memory")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: scaling,uneven,overlap,memory")
     parser.add_argument("--child", choices=["overlap", "memory"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
@@ -328,6 +385,21 @@ def main() -> None:
             slope = (results[16, 16]["growth_mb"] - results[16, 1]["growth_mb"]) / 15
             print(f"per captured layer (16 layers, 1 -> 16 captured): {slope:,.1f} MB = "
                   f"{slope * 2**20 / one_layer_batch:.1f} batches of one layer")
+
+        if "uneven" not in skip:
+            results = uneven(model, tmp / "uneven", args)
+            print(f"\n(4) uneven units: the same {results[0]['tokens']:,} tokens; units alternately of long and short "
+                  f"rows, or mixed; per repeat, in run order\n"
+                  f"{'run':<28}{'seconds':>9}  units claimed per process")
+            for result in results:
+                print(f"{result['name']:<28}{result['seconds']:>9.1f}  {result['units']}")
+            median = {name: statistics.median(r["seconds"] for r in results if r["name"] == name)
+                      for name in dict.fromkeys(r["name"] for r in results)}
+            ideal = median["1 process, uneven units"] / 2
+            print(f"median: uneven {median['2 processes, uneven units']:.1f} s, even "
+                  f"{median['2 processes, even units']:.1f} s (uneven / even "
+                  f"{median['2 processes, uneven units'] / median['2 processes, even units']:.2f}); 1 process / 2 = "
+                  f"{ideal:.1f} s (uneven / that {median['2 processes, uneven units'] / ideal:.2f})")
 
 
 if __name__ == "__main__":

@@ -479,7 +479,8 @@ def print_summary(manifest: dict, out_dir: Path, computed_tokens: int, seconds: 
         ("prefix reuse", prefix_reuse_summary(manifest["prefix_reuse"])),
         ("padding", padding_summary(manifest["padding"])),
         ("throughput", f"{computed_tokens / max(seconds, 1e-9):,.0f} tokens/s over {computed_tokens:,} tokens "
-                       f"captured in this run ({seconds:.1f}s, {processes} process{'es' * (processes > 1)})"
+                       f"captured in this run ({seconds:.1f}s, {processes} process{'es' * (processes > 1)}"
+                       f"{'; decoder layers compiled' if manifest['capture'].get('compiled') else ''})"
                        if computed_tokens else
                        "nothing captured in this run (every unit already finished, or every row rejected)"),
     ]))

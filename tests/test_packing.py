@@ -228,7 +228,7 @@ def test_packed_batches_keep_the_budget_and_the_padded_order(max_batch_size):
 
 
 @pytest.mark.slow
-def test_compiled_capture_equals_eager_packed_and_padded(tmp_path):
+def test_compiled_capture_equals_eager_packed_and_padded(tmp_path, capsys):
     """capture.compile=true (decoder layers under torch.compile, dynamic shapes): the same dataset as the eager
     forward, packed and padded, and the manifest says it compiled; the packed attention stays one eager call per
     layer (its segment bounds never become part of a graph)."""
@@ -239,6 +239,7 @@ def test_compiled_capture_equals_eager_packed_and_padded(tmp_path):
         compiled = generate(target, tmp_path / "compiled", "capture.compile=true")
         padded = generate(target, tmp_path / "padded", "capture.compile=true", "capture.packing=false")
     assert compiled["capture"]["compiled"] and not eager["capture"]["compiled"]
+    assert capsys.readouterr().out.count("; decoder layers compiled)") == 2  # the two compiled runs say so
     assert compiled["padding"]["ratio"] == 1.0 and padded["padding"]["ratio"] > 1.0
     columns = ("aux_hidden_states", "last_hidden_state")
     assert_same_dataset(tmp_path / "compiled", tmp_path / "eager", columns)

@@ -26,6 +26,7 @@ refused too. The generic backend also checks its first packed batch against the 
 """
 
 import contextvars
+import functools
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -106,6 +107,7 @@ def packed_attention(config: transformers.PreTrainedConfig, segments: PackedSegm
 KERNELS = ("flash-attn varlen", "torch varlen", "sdpa per segment")
 
 
+@functools.cache  # looked up once per process: a failed import is retried from disk on every call otherwise
 def _flash_varlen():
     try:
         from flash_attn import flash_attn_varlen_func
@@ -114,6 +116,7 @@ def _flash_varlen():
     return flash_attn_varlen_func
 
 
+@functools.cache
 def _torch_varlen():
     """PyTorch's varlen attention when this build takes `window_size` and `scale` (torch >= 2.11; 2.9's first
     version took only is_causal); None otherwise."""
@@ -121,8 +124,12 @@ def _torch_varlen():
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    parameters = inspect.signature(varlen_attn).parameters
-    return varlen_attn if {"window_size", "scale"} <= parameters.keys() else None
+    return varlen_attn if {"window_size", "scale"} <= _parameters(varlen_attn) else None
+
+
+@functools.cache
+def _parameters(function) -> frozenset[str]:
+    return frozenset(inspect.signature(function).parameters)
 
 
 def _window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
@@ -196,7 +203,7 @@ def _torch_varlen_forward(varlen_attn, query, key, value, segments: PackedSegmen
     window = (sliding_window - 1, 0) if sliding_window is not None and sliding_window < longest else (-1, 0)
     groups = query.shape[1] // key.shape[1]
     gqa = {}
-    if groups > 1 and "enable_gqa" in inspect.signature(varlen_attn).parameters:
+    if groups > 1 and "enable_gqa" in _parameters(varlen_attn):
         gqa = {"enable_gqa": True}
     elif groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)

@@ -165,7 +165,7 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Te
         target_argmax = target.argmax[:, 1 + step:][predicted]
         in_vocab = draft.t2d[target_argmax.clamp(min=0)]
         in_loss = in_vocab if drop_out_of_vocab else torch.ones_like(in_vocab)
-        rows = (flat_index[:, 1 + step:][predicted])  # where each scored index's target sits in target.probs
+        rows = flat_index[:, 1 + step:][predicted]  # where each scored index's target sits in target.probs
         loss_sum, guesses = score_positions(draft, hidden[:, :scored][predicted], flat_probs, rows, in_loss)
         valid = in_loss.sum()
         losses.append(loss_sum / valid.clamp(min=1) * decay ** step)

@@ -6,7 +6,6 @@ padded, prefix reuse); the draft's chunked attention and scoring against one den
 on the GPU from shards generated there.
 """
 
-import copy
 import json
 import math
 import warnings
@@ -21,10 +20,11 @@ from specgen.capture import load_target, make_capture
 from specgen.capture import packed as packed_module
 from specgen.config import compose
 from specgen.draft.target_head import TargetHead
-from specgen.draft.ttt import collate, target_positions_needed, ttt_forward
+from specgen.draft.ttt import collate, target_positions_needed
 from specgen.draft.vocab import VocabMapping
 from specgen.train import run as train
 from tests.test_draft_model import tiny_draft
+from tests.test_draft_ttt import one_step
 from tests.test_packing import (AUX_LAYERS, HIDDEN, NUM_LAYERS, VOCAB, assert_matches_each_alone, assert_same_dataset,
                                 generate, packed_row)
 
@@ -110,11 +110,7 @@ def test_draft_chunked_attention_and_scoring_on_cuda_equal_one_dense_pass(monkey
     for attention, scoring in ((10 ** 12, 10 ** 12), (300, 16)):
         monkeypatch.setitem(draft_model.ATTENTION_CHUNK, "cuda", attention)
         monkeypatch.setattr(ttt, "SCORE_CHUNK", scoring)
-        draft = copy.deepcopy(initial)
-        out = ttt_forward(draft, batch.input_ids, batch.loss_mask, batch.aux_hidden_states, target, ttt_length=5,
-                          decay=1.0, position_ids=batch.position_ids, document_ids=batch.document_ids)
-        out.loss.backward()
-        results.append((out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+        results.append(one_step(initial, batch, target, ttt_length=5, decay=1.0))
     (dense, dense_grads), (chunked, chunked_grads) = results
     assert torch.equal(chunked.stats[:, 1:], dense.stats[:, 1:])  # the counts; the loss sums to rounding
     torch.testing.assert_close(chunked.stats, dense.stats, rtol=1e-5, atol=0)

@@ -23,6 +23,15 @@ from tests.test_draft_model import one_thread, tiny_draft, unroll  # noqa: F401 
 LOSS_MASK = [0, 0, 1, 1, 1, 0, 1]
 
 
+def one_step(initial, batch, target, **kwargs) -> tuple:
+    """`ttt_forward` and backward on a copy of the draft `initial` over `batch`: its output and its gradients."""
+    draft = copy.deepcopy(initial)
+    out = ttt_forward(draft, batch.input_ids, batch.loss_mask, batch.aux_hidden_states, target,
+                      position_ids=batch.position_ids, document_ids=batch.document_ids, **kwargs)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+
 def test_predicted_token_mask_shifts_with_the_tokens():
     mask = torch.tensor([LOSS_MASK])
     # Step 0 at index i reads x[i+1] and predicts x[i+2]: trained where x[i+2] is a reply token.
@@ -131,15 +140,10 @@ def test_a_packed_row_trains_exactly_like_padded_rows(mask_shift):
     initial.t2d.fill_(True)
     results = []
     for packed in (False, True):
-        draft = copy.deepcopy(initial)
         batch = collate(rows, packed=packed)
         assert batch.input_ids.shape == ((1, 18) if packed else (3, 7))
         target = head.distribution(batch.last_hidden_state, target_positions_needed(batch.loss_mask, mask_shift))
-        out = ttt_forward(draft, batch.input_ids, batch.loss_mask, batch.aux_hidden_states, target,
-                          ttt_length=steps, decay=1.0, mask_shift=mask_shift, position_ids=batch.position_ids,
-                          document_ids=batch.document_ids)
-        out.loss.backward()
-        results.append((out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+        results.append(one_step(initial, batch, target, ttt_length=steps, decay=1.0, mask_shift=mask_shift))
     (padded, padded_grads), (packed, packed_grads) = results
     assert padded.stats[:, 3].sum() > 0
     torch.testing.assert_close(packed.stats, padded.stats)
@@ -170,11 +174,7 @@ def test_long_rows_attend_in_chunks_exactly_like_one_dense_pass(monkeypatch, pac
     results = []
     for limit in (10 ** 12, chunk):
         monkeypatch.setitem(draft_model.ATTENTION_CHUNK, "cpu", limit)
-        draft = copy.deepcopy(initial)
-        out = ttt_forward(draft, batch.input_ids, batch.loss_mask, batch.aux_hidden_states, target, ttt_length=4,
-                          decay=1.0, position_ids=batch.position_ids, document_ids=batch.document_ids)
-        out.loss.backward()
-        results.append((out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+        results.append(one_step(initial, batch, target, ttt_length=4, decay=1.0))
     (dense, dense_grads), (chunked, chunked_grads) = results
     assert dense.stats[:, 3].sum() > 0
     assert torch.equal(chunked.stats[:, 1:], dense.stats[:, 1:])  # the counts; the loss sums to rounding
@@ -209,11 +209,7 @@ def test_long_steps_score_in_chunks_exactly_like_one_pass(monkeypatch):
     results = []
     for limit in (ttt.SCORE_CHUNK, 2):
         monkeypatch.setattr(ttt, "SCORE_CHUNK", limit)
-        draft = copy.deepcopy(initial)
-        out = ttt_forward(draft, batch.input_ids, batch.loss_mask, batch.aux_hidden_states, target, ttt_length=3,
-                          decay=0.8, position_ids=batch.position_ids, document_ids=batch.document_ids)
-        out.loss.backward()
-        results.append((out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+        results.append(one_step(initial, batch, target, ttt_length=3, decay=0.8))
     (whole, whole_grads), (chunked, chunked_grads) = results
     assert whole.stats[0, 1] > 0 and whole.stats[0, 1] < whole.stats[0, 3]  # some dropped, some scored
     assert torch.equal(chunked.stats[:, 1:], whole.stats[:, 1:])  # the counts; the loss sums to rounding

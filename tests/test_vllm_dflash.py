@@ -5,11 +5,19 @@ DFlash drafts are trained by specgen.train (draft.method=dflash) on shards of th
 by specgen.evaluate, and the same prompts are replayed in vLLM, greedy, same K, by tests/vllm_replay.py --method dflash
 in a subprocess: a bidirectional 1-layer draft at K=4 (its trained block of 5) and a causal 2-layer draft at K=3 (a
 shorter block than trained). Run in vLLM's venv (.ci/vllm-venv).
+
+vLLM 0.32's CPU build does not serve a draft of 2+ layers exactly as trained: `precompute_and_store_context_kv`
+normalises the context keys of all layers in one `ops.rms_norm` call with the stacked k_norm weights [L, head_dim]
+(`qwen3_dflash.py`, `_normalize_context_k`), and the CPU kernel applies row 0 to every layer
+(`test_vllm_cpu_rms_norm_applies_row_0_of_a_stacked_weight`), so layers >= 1 attend to context keys normalised by
+layer 0's k_norm. Their drafts then differ a little from the trained draft's (specgen's decode, `DFlashProposer`);
+the counters are compared exactly with specgen.evaluate run under that same normalisation (`vllm_cpu_context_keys`).
 """
 
 import json
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -58,6 +66,53 @@ def trained(request, shards) -> dict:
     return {"root": root, "shards": shards, "draft": root / "draft", "report": report, "samples": samples, "k": k}
 
 
+@contextmanager
+def vllm_cpu_context_keys():
+    """specgen's DFlash decode with the context keys of every draft layer normalised by layer 0's k_norm, as vLLM
+    0.32's CPU build computes them (its fused `ops.rms_norm` over the stacked k_norm weights uses row 0 only);
+    the block slots' own keys keep each layer's k_norm, as in vLLM's forward."""
+    from specgen.draft.dflash import DFlashDraft
+
+    trained_context_kv = DFlashDraft.context_kv
+
+    def context_kv(draft, aux_hidden_states, position_ids):
+        first = draft.layers[0].self_attn.k_norm
+        owns = [layer.self_attn.k_norm for layer in draft.layers]
+        for layer in draft.layers:
+            layer.self_attn.k_norm = first
+        try:
+            return trained_context_kv(draft, aux_hidden_states, position_ids)
+        finally:
+            for layer, own in zip(draft.layers, owns):
+                layer.self_attn.k_norm = own
+
+    DFlashDraft.context_kv = context_kv
+    try:
+        yield
+    finally:
+        DFlashDraft.context_kv = trained_context_kv
+
+
+def evaluate_as_vllm_cpu_serves(trained: dict) -> dict:
+    """specgen.evaluate's report on the same prompts with `vllm_cpu_context_keys` (what vLLM's CPU build counts)."""
+    from specgen.evaluate import run as evaluate
+
+    root = trained["root"]
+    with vllm_cpu_context_keys():
+        return evaluate(compose("evaluate", ["recipe=demo", f"draft.path={trained['draft']}", "draft.method=dflash",
+                                             f"evaluate.num_draft_tokens={trained['k']}",
+                                             f"evaluate.max_prompts={PROMPTS}",
+                                             f"evaluate.max_new_tokens={MAX_NEW_TOKENS}",
+                                             f"output.dir={root / 'eval-vllm-cpu'}", "model.dtype=float32", *QUIET]))
+
+
+def counted(report: dict) -> dict:
+    """A specgen.evaluate report in vLLM's counters."""
+    rounds = report["verification_rounds"]
+    return {"num_drafts": rounds, "num_accepted_tokens": report["accepted_draft_tokens"],
+            "num_accepted_tokens_per_pos": [round(rate * rounds) for rate in report["acceptance_rate_per_position"]]}
+
+
 def replay(trained: dict, name: str, *args: str) -> dict:
     out = trained["root"] / f"vllm-{name}.json"
     command = [sys.executable, str(REPLAY), str(trained["root"] / "eval" / "samples.jsonl"), str(out),
@@ -75,25 +130,15 @@ def test_vllm_serves_the_dflash_draft_as_trained(trained):
     assert served["output_token_ids"] == specgen_outputs  # the target's greedy text (specgen checked it)
     if trained["root"].name == "bidirectional":  # and vLLM's own target-alone decoding, once
         assert replay(trained, "target")["output_token_ids"] == specgen_outputs
-    # vLLM's own counters: exactly specgen.evaluate's for the bidirectional draft. The causal one differs by a few
-    # drafts (cause not established; specgen's decode through DFlashProposer gave the same 368 rounds as the earlier
-    # dflash_generate on the same draft, so the gap is vLLM vs specgen): one run [260, 44, 15] in vLLM vs
-    # [262, 42, 15] here with equal rounds; another (shards captured in bfloat16) 369 vs 368 rounds
-    rounds = report["verification_rounds"]
-    ours = [round(rate * rounds) for rate in report["acceptance_rate_per_position"]]
-    if trained["root"].name == "bidirectional":
-        assert served["num_drafts"] == rounds
-        assert served["num_accepted_tokens"] == report["accepted_draft_tokens"]
-        assert served["num_draft_tokens"] == trained["k"] * rounds
-        assert served["num_accepted_tokens_per_pos"] == ours
-        assert served["acceptance_length"] == pytest.approx(report["acceptance_length"], abs=1e-12)
-    else:
-        slack = 0.02 * rounds
-        assert served["num_drafts"] == pytest.approx(rounds, abs=slack)
-        assert served["num_accepted_tokens"] == pytest.approx(report["accepted_draft_tokens"], abs=slack)
-        assert served["num_draft_tokens"] == trained["k"] * served["num_drafts"]
-        assert served["num_accepted_tokens_per_pos"] == pytest.approx(ours, abs=slack)
-        assert served["acceptance_length"] == pytest.approx(report["acceptance_length"], abs=0.02)
+    # vLLM's own counters: exactly specgen.evaluate's for the 1-layer draft; for the 2-layer one, exactly those of
+    # specgen.evaluate under vLLM CPU's context-key normalisation (module docstring)
+    layers = json.loads((trained["draft"] / "config.json").read_text())["num_hidden_layers"]
+    expected = report if layers == 1 else evaluate_as_vllm_cpu_serves(trained)
+    assert expected["matches_target_greedy"]
+    rounds = expected["verification_rounds"]
+    assert {name: served[name] for name in counted(expected)} == counted(expected)
+    assert served["num_draft_tokens"] == trained["k"] * rounds
+    assert served["acceptance_length"] == pytest.approx(expected["acceptance_length"], abs=1e-12)
     assert report["acceptance_length"] > 1.0  # the draft does get tokens accepted
 
 
@@ -114,3 +159,22 @@ def test_vllm_reads_target_layer_ids_as_specgen_aux_layers(trained):
     ids = get_eagle3_aux_layers_from_config(spec)
     assert list(ids) == vllm_eagle_aux_ids(manifest["capture"]["aux_layers"])
     assert list(ids) == [layer + 1 for layer in manifest["capture"]["aux_layers"]]
+
+
+def test_vllm_cpu_rms_norm_applies_row_0_of_a_stacked_weight():
+    """What `vllm_cpu_context_keys` reproduces: vLLM's DFlash context-key normalisation (`_normalize_context_k`) calls
+    `ops.rms_norm(out, keys [L, n, kv_heads, head_dim], k_norm weights [L, head_dim])`, meaning row l for layer l;
+    the CPU kernel applies row 0 to all. When this fails, vLLM serves every layer's k_norm: drop the emulation."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's CPU build only")
+    keys = torch.randn(2, 3, 2, 32, generator=torch.Generator().manual_seed(0))
+    weights = torch.stack([torch.full((32,), 1.0), torch.full((32,), 2.0)])
+    out = torch.empty_like(keys)
+    ops.rms_norm(out, keys, weights, 1e-6)
+    unit = keys * torch.rsqrt(keys.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.allclose(out[0], unit[0], atol=1e-5)
+    assert torch.allclose(out[1], unit[1], atol=1e-5)  # layer 1 got row 0 (1.0), not its own row (2.0)

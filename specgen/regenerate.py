@@ -120,7 +120,7 @@ def build_regenerator(cfg: DictConfig, tokenizer, model) -> ConversationRegenera
                               batch_tokens=settings.batch_tokens)
     policy = TurnPolicy(turns=settings.turns, on_truncated=settings.on_truncated, on_empty=settings.on_empty,
                         on_loop=settings.on_loop, loop_ngram=int(settings.loop_ngram),
-                        loop_repeats=int(settings.loop_repeats))
+                        loop_repeats=int(settings.loop_repeats), user_turns=settings.user_turns)
     return ConversationRegenerator(tokenizer, generator, policy, max_prompt_tokens=max_prompt_tokens,
                                    prompt_limit=prompt_limit,
                                    chat_template_kwargs=template_kwargs(cfg, tokenizer),
@@ -133,7 +133,8 @@ def generation_settings(cfg: DictConfig, regenerator: ConversationRegenerator) -
     return {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
             "max_new_tokens": sampling.max_new_tokens, "seed": cfg.regenerate.seed, "seeding": SEEDING,
             "thinking": cfg.regenerate.thinking, "chat_template_kwargs": regenerator.chat_template_kwargs,
-            "turns": regenerator.policy.turns, "on_truncated": regenerator.policy.on_truncated,
+            "turns": regenerator.policy.turns, "user_turns": regenerator.policy.user_turns,
+            "on_truncated": regenerator.policy.on_truncated,
             "on_empty": regenerator.policy.on_empty, "on_loop": regenerator.policy.on_loop,
             "loop_ngram": regenerator.policy.loop_ngram, "loop_repeats": regenerator.policy.loop_repeats,
             "max_prompt_tokens": regenerator.max_prompt_tokens, "prompt_limit": regenerator.prompt_limit,
@@ -179,7 +180,7 @@ def sum_stats(sidecars: list[dict]) -> dict:
                 for reason, count in value.items():
                     totals[key][reason] = totals[key].get(reason, 0) + count
             else:
-                totals[key] += value
+                totals[key] = totals.get(key, 0) + value
     return totals
 
 
@@ -222,6 +223,9 @@ def print_summary(manifest: dict, out_dir: Path, new_tokens: int, rows: int, sec
         ("rows", f"{stats['rows']:,} of {stats['source_rows']:,} source rows in {len(manifest['parts'])} parts"),
         ("regenerated turns", f"{stats['regenerated_turns']:,} ({stats['new_tokens']:,} new tokens; "
                               f"{stats['kept_tool_call_turns']:,} tool-call turns kept verbatim)"),
+        *([("synthesized turns", f"{stats['synthesized_user_turns']:,} user turns written by the target "
+                                 "(regenerate.user_turns=synthesize)")] if generation.get("user_turns") == "synthesize"
+          else []),
         ("truncated turns", f"{stats['truncated_turns']:,} reached max_new_tokens={generation['max_new_tokens']} "
                             f"(on_truncated={generation['on_truncated']})"),
         ("empty turns", f"{stats['empty_turns']:,} (on_empty={generation['on_empty']})"),

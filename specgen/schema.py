@@ -190,6 +190,7 @@ KEYS: dict[str, Key] = {
     "regenerate.seed": _k("int"),
     "regenerate.thinking": _k("bool", null=True),
     "regenerate.turns": _k("str", choices=("all", "last")),
+    "regenerate.user_turns": _k("str", choices=("keep", "synthesize")),
     "regenerate.on_truncated": _k("str", choices=("keep", "drop")),
     "regenerate.on_empty": _k("str", choices=("keep", "drop")),
     "regenerate.on_loop": _k("str", choices=("keep", "drop")),

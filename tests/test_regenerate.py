@@ -536,3 +536,51 @@ def test_progress_moves_per_row_chunk_and_per_decoding_step(chat_model, tmp_path
 
     assert rows == [2, 2, 1]
     assert sum(tokens) == result.stats["new_tokens"] and len(tokens) > result.stats["regenerated_turns"] / 2
+
+
+def test_synthesized_user_turns_continue_the_templates_user_header(chat_model, tmp_path):
+    """regenerate.user_turns=synthesize: every user turn is the target's own continuation of the conversation so far
+    rendered up to the template's user-turn header, and every reply answers those turns (top_k=1 makes the sampling
+    an argmax, so HF's greedy generate is the reference); system turns are kept and a tool-calling row is rejected."""
+    source = write_source(tmp_path / "source.jsonl", CONVERSATIONS)
+    manifest = regenerate(chat_model, source, tmp_path / "out", "regenerate.user_turns=synthesize",
+                          "regenerate.temperature=1.0", "regenerate.top_k=1", "regenerate.on_empty=keep")
+    reference = GreedyReference(chat_model)
+    rows = {row["id"]: row for row in output_rows(tmp_path / "out")}
+    assert sorted(rows) == ["colours", "row-1", "story", "sum"]
+    assert [(r["sample_id"], r["reason"]) for r in rejected_rows(tmp_path / "out")] == [("weather", "tool_calls")]
+    synthesized = 0
+    for index, original in enumerate(CONVERSATIONS):
+        row = rows.get(original.get("id", f"row-{index}"))
+        if row is None:
+            continue
+        before, after = normalize(original).messages, row["messages"]
+        assert [m["role"] for m in after] == [m["role"] for m in before]
+        for position, (old, new) in enumerate(zip(before, after)):
+            if old["role"] == "system":
+                assert new == old
+            elif old["role"] == "user":
+                header = reference.tokenizer.apply_chat_template(
+                    after[:position] + [{"role": "user", "content": "\u2063"}], tokenize=False).split("\u2063")[0]
+                assert header.endswith("<|im_start|>user\n")
+                ids = reference.tokenizer(header, add_special_tokens=False, return_tensors="pt").input_ids
+                with torch.no_grad():
+                    out = reference.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                                   max_new_tokens=MAX_NEW_TOKENS)[0, ids.shape[1]:].tolist()
+                stop = next((i for i, token in enumerate(out) if token in reference.stop), None)
+                assert new == {"role": "user", "content": reference.tokenizer.decode(out[:stop]).strip()}
+                assert new["content"] != old["content"]
+                synthesized += 1
+            else:
+                assert new == {"role": "assistant", "content": reference.turn(after[:position])[0]}
+    assert manifest["stats"]["synthesized_user_turns"] == synthesized == 7
+    assert manifest["generation"]["user_turns"] == "synthesize"
+
+
+def test_synthesized_user_turns_need_sampling_and_every_turn(chat_model, tmp_path):
+    source = write_source(tmp_path / "source.jsonl", CONVERSATIONS[:1])
+    with pytest.raises(SpecgenError, match="regenerate.temperature > 0"):
+        regenerate(chat_model, source, tmp_path / "greedy", "regenerate.user_turns=synthesize")
+    with pytest.raises(SpecgenError, match="regenerate.turns=all"):
+        regenerate(chat_model, source, tmp_path / "last", "regenerate.user_turns=synthesize",
+                   "regenerate.temperature=1.0", "regenerate.turns=last")

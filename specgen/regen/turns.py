@@ -9,6 +9,13 @@ Which turns: every assistant turn (`turns=all`) or only the final one (`turns=la
 tools are kept verbatim: the tool turns that follow hold the results of exactly those calls, so a different call
 would leave the conversation incoherent.
 
+With `user_turns=synthesize` the target writes the user turns too: each user turn is sampled from the conversation so
+far rendered up to the template's user-turn header (the text the template puts before a user message's content),
+then the assistant answers it as above. The source rows only give the conversations' shape (system prompt, number of
+turns), so any prompt corpus, or none worth the name, serves. It needs sampling (a greedy target would write the
+same first question in every row), every assistant turn regenerated, and rows without tool calls (their kept calls
+would answer questions that were replaced); other rows are rejected (`tool_calls`).
+
 Nothing is lost silently. A generation that reaches max_new_tokens is *truncated*, one whose answer (content,
 reasoning aside) is blank is *empty*, one that *loops* repeats itself: some run of `loop_ngram` consecutive
 tokens occurs more than `loop_repeats` times in the turn (greedy decoding of a small model falls into such
@@ -34,11 +41,14 @@ from specgen.regen.reply import assistant_reply, renders_reasoning
 
 TURNS = ("all", "last")
 POLICIES = ("keep", "drop")
+USER_TURNS = ("keep", "synthesize")
+# Stands in for a user turn's content to find where the template's user-turn header ends.
+_USER_SENTINEL = "\u2063specgen-user-turn\u2063"
 # Reasons a row is dropped by policy rather than rejected as bad input; the manifest counts them apart.
 POLICY_REASONS = ("truncated", "empty", "loop")
 # The per-unit counts, summed over units into the manifest.
 COUNTS = ("source_rows", "rows", "regenerated_turns", "new_tokens", "truncated_turns", "empty_turns", "loop_turns",
-          "cut_rows", "kept_tool_call_turns")
+          "cut_rows", "kept_tool_call_turns", "synthesized_user_turns")
 
 
 class _Prompt(NamedTuple):
@@ -54,12 +64,17 @@ class TurnPolicy:
     on_loop: str = "drop"       # keep | drop a row with a turn that loops (see `loops`)
     loop_ngram: int = 8         # a turn loops when a run of this many tokens ...
     loop_repeats: int = 3       # ... occurs more than this many times in it (0: never)
+    user_turns: str = "keep"    # keep | synthesize: the target writes the user turns too (module doc)
 
     def __post_init__(self) -> None:
         for key, value, allowed in (("turns", self.turns, TURNS), ("on_truncated", self.on_truncated, POLICIES),
-                                    ("on_empty", self.on_empty, POLICIES), ("on_loop", self.on_loop, POLICIES)):
+                                    ("on_empty", self.on_empty, POLICIES), ("on_loop", self.on_loop, POLICIES),
+                                    ("user_turns", self.user_turns, USER_TURNS)):
             if value not in allowed:
                 raise SpecgenError(f"regenerate.{key} must be one of {list(allowed)}, got {value!r}")
+        if self.user_turns == "synthesize" and self.turns != "all":
+            raise SpecgenError("regenerate.user_turns=synthesize needs regenerate.turns=all: a kept reply would "
+                               "answer a question the target replaced")
         if self.loop_ngram < 1 or self.loop_repeats < 0:
             raise SpecgenError(f"regenerate.loop_ngram must be >= 1 and regenerate.loop_repeats >= 0, got "
                                f"{self.loop_ngram} and {self.loop_repeats}")
@@ -132,6 +147,9 @@ class ConversationRegenerator:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.on_bad_row = on_bad_row
         self.split_reasoning = renders_reasoning(tokenizer)
+        if policy.user_turns == "synthesize" and generator.sampling.greedy:
+            raise SpecgenError("regenerate.user_turns=synthesize needs sampling (regenerate.temperature > 0): greedy "
+                               "decoding writes the same first user turn in every row")
 
     def regenerate(self, records: Iterable[SourceRecord], on_batch: Callable[[int], None] | None = None, *,
                    on_rows: Callable[[int], None] | None = None, chunk_rows: int | None = None) -> UnitResult:
@@ -185,6 +203,12 @@ class ConversationRegenerator:
             raise RowError("no_regenerable_turn", "every assistant turn to regenerate calls tools; those are kept "
                                                   "verbatim (the tool turns answer exactly those calls), so this "
                                                   "row has nothing to regenerate")
+        if self.policy.user_turns == "synthesize":
+            if len(targets) < len(assistant):
+                raise RowError("tool_calls", "regenerate.user_turns=synthesize: the row's assistant turns call "
+                                             "tools, and a kept call would answer a question the target replaced")
+            targets = sorted(targets + [i for i, message in enumerate(item.messages[:targets[-1]])
+                                        if message["role"] == "user"])
         row_id = item.id if item.id is not None else f"row-{source.index}"
         return _Row(source.index, row_id, item, targets)
 
@@ -192,9 +216,13 @@ class ConversationRegenerator:
         """(text, token ids) of the prompt for the row's next turn; None when the row stops here."""
         position = row.targets[row.done]
         history = row.conversation.messages[:position]
+        user = row.conversation.messages[position]["role"] == "user"
         try:
-            text = self.tokenizer.apply_chat_template(history, tools=row.conversation.tools, tokenize=False,
-                                                      add_generation_prompt=True, **self.chat_template_kwargs)
+            if user:
+                text = self._user_header(history, row.conversation.tools)
+            else:
+                text = self.tokenizer.apply_chat_template(history, tools=row.conversation.tools, tokenize=False,
+                                                          add_generation_prompt=True, **self.chat_template_kwargs)
         except TemplateError as error:
             self._reject_row(row, RowError("template_error", f"the chat template rejected the conversation: "
                                                              f"{error}"))
@@ -214,31 +242,46 @@ class ConversationRegenerator:
                                                               f"{self.max_prompt_tokens} allowed ({self.prompt_limit})"))
         return None
 
+    def _user_header(self, history: list[dict], tools) -> str:
+        """The conversation so far rendered up to where the template puts the next user message's content."""
+        text = self.tokenizer.apply_chat_template(history + [{"role": "user", "content": _USER_SENTINEL}],
+                                                  tools=tools, tokenize=False, add_generation_prompt=False,
+                                                  **self.chat_template_kwargs)
+        if _USER_SENTINEL not in text:
+            raise TemplateError("it does not render a user message's content verbatim, so no user-turn header can "
+                                "be cut from it (regenerate.user_turns=synthesize)")
+        return text[:text.index(_USER_SENTINEL)]
+
     def _accept(self, row: _Row, prompt: str, completion: Completion, stats: Counter) -> None:
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=False,
                                      clean_up_tokenization_spaces=False)
-        message = assistant_reply(text, prompt=prompt, split_reasoning=self.split_reasoning)
         position = row.targets[row.done]
+        role = row.conversation.messages[position]["role"]
+        if role == "user":
+            message = {"role": "user", "content": text.strip()}
+            stats["synthesized_user_turns"] += 1
+        else:
+            message = assistant_reply(text, prompt=prompt, split_reasoning=self.split_reasoning)
+            stats["regenerated_turns"] += 1
         row.conversation.messages[position] = message
         row.done += 1
-        stats["regenerated_turns"] += 1
         stats["new_tokens"] += completion.num_generated
         if not completion.finished:
             stats["truncated_turns"] += 1
             if self.policy.on_truncated == "drop":
-                row.leave("truncated", f"the assistant turn at message {position} reached regenerate.max_new_tokens="
+                row.leave("truncated", f"the {role} turn at message {position} reached regenerate.max_new_tokens="
                                        f"{self.generator.sampling.max_new_tokens} (regenerate.on_truncated=drop)")
         if self.policy.loops(completion.token_ids):
             stats["loop_turns"] += 1
             if self.policy.on_loop == "drop":
-                row.leave("loop", f"the assistant turn at message {position} repeats a run of "
+                row.leave("loop", f"the {role} turn at message {position} repeats a run of "
                                   f"{self.policy.loop_ngram} tokens more than {self.policy.loop_repeats} times "
                                   "(regenerate.on_loop=drop)")
         if not message["content"].strip():
             stats["empty_turns"] += 1
             if self.policy.on_empty == "drop":
-                row.leave("empty", f"the assistant turn at message {position} has an empty answer "
-                                   "(regenerate.on_empty=drop)")
+                row.leave("empty", f"the {role} turn at message {position} has an empty "
+                                   f"{'question' if role == 'user' else 'answer'} (regenerate.on_empty=drop)")
 
     def _reject_row(self, row: _Row, error: RowError) -> None:
         rejection = self._rejection(row.source_index, row.row_id, error)

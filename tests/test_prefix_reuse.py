@@ -18,7 +18,7 @@ from specgen import open_shards
 from specgen.assets import ASSETS_DIR
 from specgen.capture import load_target, make_capture
 from specgen.capture.kv import GroupedPast, PastKV
-from specgen.capture.reuse import capture_with_prefix_reuse, reuse_pays
+from specgen.capture.reuse import MAX_PADDING, capture_with_prefix_reuse, reuse_pays
 from specgen.config import compose
 from specgen.data.prefixes import plan_prefixes
 from specgen.data.sample import TokenizedSample
@@ -223,6 +223,7 @@ def qwen3_target(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("overrides", [
     (),
     ("capture.batch_tokens=300", "capture.prefix_cache_tokens=1"),  # many batches mixing pasts; a wave per tree
+    pytest.param(("capture.compile=true",), marks=pytest.mark.slow),  # prefixes and continuations compiled too
 ])
 def test_qwen3_per_turn_rows_with_reuse_equal_rows_without(qwen3_target, tmp_path, overrides):
     rows = conversations([3, 1, 2, 3, 2, 1])
@@ -242,6 +243,9 @@ def test_qwen3_per_turn_rows_with_reuse_equal_rows_without(qwen3_target, tmp_pat
     unique = sum(distinct_prefixes([unit[i]["input_ids"].tolist() for i in range(len(unit))]) for unit in units)
     assert unique <= report["tokens_computed"] <= 1.1 * unique
     assert report["tokens_computed"] < 0.6 * report["tokens_emitted"]
+    # every batch's padding stays within MAX_PADDING of its real tokens, so the whole run does too
+    assert report["tokens_computed"] <= manifest["padding"]["forwarded_tokens"] \
+        <= (1 + MAX_PADDING) * report["tokens_computed"]
 
 
 @pytest.mark.parametrize("arch", LLAMA_FAMILY)

@@ -109,6 +109,7 @@ class GroupedPast:
     bounds: list[int]
     lengths: list[int]
     kv: list[list[LayerKV] | None]
+    kept: dict[int, LayerKV] | None = None  # if a dict: the attention leaves each layer's NEW keys/values here
 
     def row_lengths(self, device: torch.device) -> torch.LongTensor:
         """Each row's past length, [B]."""
@@ -137,14 +138,19 @@ def _masked_group(query, key, value, past_keys, past_values, scale: float, windo
                                                             scale=scale, enable_gqa=True)
 
 
+@torch.compiler.disable  # under capture.compile the decoder layer's other ops compile around this call
 def grouped_past_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask, scaling: float | None = None, dropout: float = 0.0,
                            grouped_past: GroupedPast | None = None, sliding_window: int | None = None,
                            **kwargs) -> tuple[torch.Tensor, None]:
     """HF attention interface (registered as GROUPED_ATTENTION): query [B, H, T, d]; key/value [B, kv_heads, T, d]
-    of the NEW tokens only; the past comes from `grouped_past` (see `GroupedPast`). Returns ([B, T, H, d], None)."""
+    of the NEW tokens only; the past comes from `grouped_past` (see `GroupedPast`), and the new keys/values are left
+    in `grouped_past.kept` when it is a dict (the layer gets no cache object: under torch.compile a cache's
+    `update(..., layer_idx)` would specialize every layer's graph). Returns ([B, T, H, d], None)."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     seq_len, layer = query.shape[2], module.layer_idx
+    if grouped_past.kept is not None:
+        grouped_past.kept[layer] = (key, value)
     fused = query.device.type == "cpu"
     window = sliding_window if sliding_window is not None and sliding_window < max(grouped_past.lengths) + seq_len \
         else None

@@ -12,6 +12,8 @@ return what each attention implementation needs: `None` for sdpa/flash (which th
 eager gets an explicit additive causal mask), and sliding-window masks for layers that use them.
 """
 
+import dataclasses
+
 import torch
 import transformers
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -76,8 +78,8 @@ class LlamaFamilyCapture(TargetCapture):
 
     def compile(self) -> None:
         """Each decoder layer under `torch.compile(dynamic=True)` (inductor: fused norms, rotary, SwiGLU; one graph
-        for every batch shape) in the plain and packed forwards; the packed attention itself runs eagerly (it is
-        excluded from compilation), and prefix-reuse continuations and chunked prefill keep the eager layers.
+        for every batch shape) in the plain, packed and prefix-reuse forwards; the packed and grouped-past attention
+        calls run eagerly (excluded from compilation), and chunked prefill keeps the eager layers.
         The first batches pay the compilation (tens of seconds to minutes)."""
         self._compiled_layers = [torch.compile(layer, dynamic=True)
                                  for layer in self.model.model.layers[:self.num_layers]]
@@ -137,25 +139,25 @@ class LlamaFamilyCapture(TargetCapture):
                              kv=recorder.kept_layers(self.num_layers) if recorder is not None else None)
 
     def _forward_grouped(self, input_ids: torch.LongTensor, past: GroupedPast, keep_kv: bool) -> CaptureOutput:
-        """Rows continuing grouped pasts (`specgen.capture.kv.GroupedPast`): the decoder layers run with the
-        grouped-past attention, which needs no mask and attends to each group's past in place."""
+        """Rows continuing grouped pasts (`specgen.capture.kv.GroupedPast`): the decoder layers (compiled under
+        capture.compile) run with the grouped-past attention, which needs no mask, attends to each group's past in
+        place and keeps the new keys/values itself when asked."""
         body = self.model.model
         hidden_state = body.embed_tokens(input_ids)
         position_ids = (past.row_lengths(input_ids.device)[:, None]
                         + torch.arange(input_ids.shape[1], device=input_ids.device)[None, :])
         position_embeddings = body.rotary_emb(hidden_state, position_ids)
-        recorder = KVRecorder(None, keep_kv)  # hands the new keys/values straight to the attention, keeps them
+        past = dataclasses.replace(past, kept={} if keep_kv else None)
         aux = self._new_aux_buffer(input_ids)
         config = self.model.config
         implementation, config._attn_implementation = config._attn_implementation, GROUPED_ATTENTION
         try:
-            for index, decoder_layer in enumerate(body.layers[:self.num_layers]):
+            for index, decoder_layer in enumerate(self._layers(compiled=True)):
                 output = decoder_layer(hidden_state, attention_mask=None, position_ids=position_ids,
-                                       position_embeddings=position_embeddings, use_cache=True,
-                                       grouped_past=past, **cache_kwarg(recorder))
+                                       position_embeddings=position_embeddings, use_cache=False, grouped_past=past)
                 hidden_state = output[0] if isinstance(output, tuple) else output
                 self._keep_if_requested(aux, index, hidden_state)
         finally:
             config._attn_implementation = implementation
         return CaptureOutput(aux_hidden_states=aux, last_hidden_state=body.norm(hidden_state),
-                             kv=recorder.kept_layers(self.num_layers))
+                             kv=[past.kept[layer] for layer in range(self.num_layers)] if keep_kv else None)

@@ -20,8 +20,11 @@ and the median of the per-repeat ratios to the bare run of the same repeat. Goal
 sharing. The model is shaped like a small real LLM: Llama, hidden 512, 8 layers, the real Llama-3.1 vocabulary and
 tokenizer (needs ../shared, or SPECGEN_SHARED=/path/to/shared).
 
-  python benchmarks/generate.py [--data glaive|fastchat|PATH] [--rows 300] [--repeats 3] [--threads 2]
-      [--vllm .venv-vllm/bin/python]    # + vLLM's extract_hidden_states (engine=vllm, prefix caching on)
+  python benchmarks/generate.py [--data glaive|fastchat|alpaca|PATH] [--rows 300] [--repeats 3] [--threads 2]
+      [--dtype float32] [--compile] [--vllm .venv-vllm/bin/python]    # + vLLM's extract_hidden_states (engine=vllm, prefix caching on)
+
+--compile adds reuse off and reuse on with capture.compile=true (the decoder layers under torch.compile; the
+warm-up, tens of seconds on a CPU, is part of the time, so it pays only on runs of several minutes).
 
 --vllm runs `specgen generate engine=vllm` in a process of its own each repeat (the engine needs its own
 interpreter); its tokens/s is the stage's own measure (engine start excluded), like the others', but its
@@ -154,6 +157,11 @@ def compare(args) -> None:
                                                "capture.packing=false"),
                 "reuse off": lambda out: generate(model_dir, data, out, args, "capture.prefix_reuse=false"),
                 "reuse on": lambda out: generate(model_dir, data, out, args, "capture.prefix_reuse=true")}
+        if args.compile:  # the compile warm-up (tens of seconds) counts: what a run of this size pays
+            runs["reuse off, compiled"] = lambda out: generate(model_dir, data, out, args, "capture.prefix_reuse=false",
+                                                               "capture.compile=true")
+            runs["reuse on, compiled"] = lambda out: generate(model_dir, data, out, args, "capture.prefix_reuse=true",
+                                                              "capture.compile=true")
         if args.vllm:
             runs["vllm, prefix cache"] = lambda out: child_result(args, args.vllm, model_dir, data, out, args.rows,
                                                                  args.max_length, ["engine=vllm"])
@@ -169,7 +177,7 @@ def compare(args) -> None:
             result["cpu_seconds"] = cpu_seconds() - cpu  # this process's CPU time: steadier than wall on a busy machine
             result["of_peak"] = flops / result["seconds"] / peaks[-1]
             results[name].append(result)
-            print(f"repeat {repeat} {name:<19} {result['tokens'] / result['seconds']:>9,.0f} tokens/s "
+            print(f"repeat {repeat} {name:<20} {result['tokens'] / result['seconds']:>9,.0f} tokens/s "
                   f"({result['seconds']:.1f}s wall, {result['cpu_seconds']:.1f}s CPU)", flush=True)
     print(table(results, args, peaks))
 
@@ -185,13 +193,13 @@ def table(results: dict[str, list[dict]], args, peaks: list[float]) -> str:
     lines = [f"\ndata={args.data} rows={args.rows} tokens={bare[0]['tokens']:,} max_length={args.max_length} "
              f"dtype={args.dtype} threads={args.threads} repeats={args.repeats} (alternating; medians); "
              f"GEMM peak {statistics.median(peaks) / 1e9:,.1f} GFLOP/s",
-             f"{'configuration':<20}{'tokens/s':>10}{'vs bare':>9}{'computed':>11}{'fwd/real':>10}{'of peak':>9}"
+             f"{'configuration':<22}{'tokens/s':>10}{'vs bare':>9}{'computed':>11}{'fwd/real':>10}{'of peak':>9}"
              f"{'CPU-s/Mtok':>12}  per-repeat vs bare"]
     ratios = {}
     for name, runs in results.items():
         rates = [r["tokens"] / r["seconds"] for r in runs]
         ratios[name] = [rate / (b["tokens"] / b["seconds"]) for rate, b in zip(rates, bare)]
-        lines.append(f"{name:<20}{statistics.median(rates):>10,.0f}{statistics.median(ratios[name]):>9.2f}"
+        lines.append(f"{name:<22}{statistics.median(rates):>10,.0f}{statistics.median(ratios[name]):>9.2f}"
                      f"{runs[0]['computed'] / runs[0]['tokens']:>10.0%}"
                      f"{runs[0]['forwarded'] / runs[0]['computed']:>10.3f}"
                      f"{statistics.median(r['of_peak'] for r in runs):>9.0%}"
@@ -308,6 +316,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--vllm", metavar="PYTHON", help="add engine=vllm (prefix caching on), run by this "
                         "interpreter (one with vllm installed, e.g. .venv-vllm/bin/python), to the comparison")
+    parser.add_argument("--compile", action="store_true", help="add reuse off/on with capture.compile=true")
     parser.add_argument("--scaling", action="store_true", help="the 1x/2x/4x x 512/2k/8k table instead")
     parser.add_argument("--lengths", default="512,2048,8192")
     parser.add_argument("--scales", default="1,2,4")

@@ -100,6 +100,11 @@ def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
     requested = cfg.capture.aux_layers
     aux_layers = (default_aux_layers(num_layers) if requested is None
                   else validate_aux_layers(list(requested), num_layers))
+    positions = positions_of(model.config.get_text_config())
+    if positions and cfg.data.max_length > positions:
+        log.warning("data.max_length=%d is past the target's %d positions (max_position_embeddings): tokens past "
+                    "them get states from outside the context it was trained on; lower data.max_length to cut "
+                    "such rows there", cfg.data.max_length, positions)
     if cfg.capture.compile and cfg.engine.name != "hf":
         log.warning("capture.compile=true is for engine=hf; engine=%s runs its layers eagerly", cfg.engine.name)
     capture = make_capture(model, aux_layers, compile=bool(cfg.capture.compile) and cfg.engine.name == "hf")
@@ -413,7 +418,8 @@ def build_manifest(cfg: DictConfig, out_dir: Path, target: Target, tokenizer, id
                       "vocab_size": len(tokenizer)},
         "capture": {"aux_layers": list(capture.aux_layers), "aux_layer_convention": AUX_LAYER_CONVENTION,
                     "last_hidden_state": "post_norm: output of the final norm, the input of lm_head",
-                    "backend": capture.backend, "compiled": capture.compiled},
+                    "backend": capture.backend, "compiled": capture.compiled,
+                    "max_positions": positions_of(text_config)},
         "dtype": target.spec.dtype, "hidden_size": target.spec.hidden_size, "num_aux": target.spec.num_aux,
         "codec": "fp8" if target.spec.codec == "fp8" else target.spec.dtype,
         "outputs": {**target.outputs.describe(), "filter": target.sample_filter.describe()},
@@ -462,6 +468,17 @@ def prefix_reuse_summary(report: dict) -> str:
     return f"{compute}; {storage}"
 
 
+def positions_of(text_config) -> int | None:
+    """The target's trained context in tokens (max_position_embeddings), if its config says."""
+    positions = getattr(text_config, "max_position_embeddings", None)
+    return int(positions) if positions else None
+
+
+def beyond_positions(manifest: dict) -> bool:
+    positions = manifest["capture"].get("max_positions")
+    return bool(positions) and manifest["config"]["data"]["max_length"] > positions
+
+
 def print_summary(manifest: dict, out_dir: Path, computed_tokens: int, seconds: float, processes: int = 1,
                   source_rows: str = "") -> None:
     stats = manifest["stats"]
@@ -478,6 +495,10 @@ def print_summary(manifest: dict, out_dir: Path, computed_tokens: int, seconds: 
         ("bytes on disk", f"{human_bytes(stats['bytes_on_disk'])} ({stats['bytes_per_token'] or 0:,.0f} B/token)"),
         ("prefix reuse", prefix_reuse_summary(manifest["prefix_reuse"])),
         ("padding", padding_summary(manifest["padding"])),
+        *([("context", f"data.max_length={manifest['config']['data']['max_length']:,} is past the target's "
+                       f"{manifest['capture']['max_positions']:,} positions: longer rows got states from outside "
+                       "its trained context")]
+          if beyond_positions(manifest) else []),
         ("throughput", f"{computed_tokens / max(seconds, 1e-9):,.0f} tokens/s over {computed_tokens:,} tokens "
                        f"captured in this run ({seconds:.1f}s, {processes} process{'es' * (processes > 1)}"
                        f"{'; decoder layers compiled' if manifest['capture'].get('compiled') else ''})"

@@ -341,3 +341,15 @@ def test_prefix_reuse_store_once_and_fp8_outputs_equal_the_plain_run(small_targe
             torch.testing.assert_close(row[name].float(), want[name].float(), rtol=2e-2, atol=2e-2, equal_nan=True)
     top = {name: json.loads((tmp_path / name / "target_token_counts.json").read_text()) for name in ("plain", "reused")}
     assert top["plain"] == top["reused"]  # the target's top tokens, counted on either path
+
+
+def test_max_length_past_the_targets_positions_is_said(small_target, tmp_path, capsys, caplog):
+    """data.max_length beyond max_position_embeddings (4096 here) is captured, as the user asked, but never
+    silently: a warning before the first batch, the positions in the manifest and a line in the summary."""
+    within = generate(small_target, tmp_path / "within")
+    assert within["capture"]["max_positions"] == 4096 and "context " not in capsys.readouterr().out
+    with caplog.at_level("WARNING"):
+        past = generate(small_target, tmp_path / "past", "data.max_length=8192")
+    assert "data.max_length=8192 is past the target's 4096 positions" in caplog.text
+    assert "data.max_length=8,192 is past the target's 4,096 positions" in capsys.readouterr().out
+    assert past["stats"]["tokens"] == within["stats"]["tokens"]  # these rows are short: nothing else changes

@@ -49,7 +49,7 @@ from specgen.draft import methods
 from specgen.draft.model import Eagle3Draft, aux_layers_of
 from specgen.draft.offline import OfflineBatches
 from specgen.draft.online import OnlineBatches, tokenize_source
-from specgen.draft.optim import build_optimizer
+from specgen.draft.optim import build_optimizer, describe
 from specgen.draft.probe import AcceptanceProbe
 from specgen.draft.speculative import TargetRunner
 from specgen.draft.target_head import TargetHead, load_target_weights
@@ -171,7 +171,8 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
         raise SpecgenError(f"nothing to train: {data.source.batches_per_epoch()} batches per epoch on each process "
                            f"and train.grad_accum={cfg.train.grad_accum}; lower train.batch_tokens or grad_accum")
     optimizer = build_optimizer(draft, name=cfg.train.optimizer, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
-                                weight_decay=cfg.train.weight_decay, muon_weight_decay=cfg.train.muon_weight_decay)
+                                weight_decay=cfg.train.weight_decay, muon_weight_decay=cfg.train.muon_weight_decay,
+                                device=device)
     schedule_steps = cfg.train.schedule_steps or total_steps
     warmup_steps = schedule_steps // 100 if cfg.train.warmup_steps is None else cfg.train.warmup_steps  # null: 1%
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(
@@ -215,7 +216,7 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
             data.source.spool.finish()  # the capture servers that served this run exit
     accelerator.end_training()
     if is_main:
-        _print_summary(out_dir, data, draft, trainer.state, metrics, time.perf_counter() - start,
+        _print_summary(out_dir, data, draft, trainer.state, metrics, time.perf_counter() - start, describe(optimizer),
                        "checkpoint" if resume or cfg.draft.init else cfg.draft.vocab_source,
                        None if resume or cfg.draft.init else cfg.draft.vocab_size)
     return metrics
@@ -507,7 +508,7 @@ def _vocab_clipped(asked: int | None, draft: Eagle3Draft) -> str:
 
 
 def _print_summary(out_dir: Path, data: TrainingData, draft: Eagle3Draft, state: TrainerState, metrics: dict,
-                   seconds: float, vocab_source: str = "data", vocab_asked: int | None = None) -> None:
+                   seconds: float, optimizer: str, vocab_source: str = "data", vocab_asked: int | None = None) -> None:
     accuracies = " ".join(f"{metrics[k]:.2f}" for k in sorted((k for k in metrics if k.startswith("acc_")),
                                                               key=lambda k: int(k.split("_")[1])))
     print(format_table([
@@ -517,6 +518,7 @@ def _print_summary(out_dir: Path, data: TrainingData, draft: Eagle3Draft, state:
         ("draft", f"{sum(p.numel() for p in draft.trainable_parameters()) / 1e6:.2f}M trainable parameters, "
                   f"vocabulary {draft.config.draft_vocab_size} of {draft.config.vocab_size}"),
         ("vocabulary", f"from {vocab_source}: {vocab_coverage(draft, data)}{_vocab_clipped(vocab_asked, draft)}"),
+        ("optimizer", optimizer),
         ("steps", f"{state.step} ({state.tokens_seen:,} tokens, {seconds:.1f}s in this run)"),
         ("last loss", f"{metrics.get('loss', float('nan')):.4f}"),
         ("accuracy per TTT step", accuracies or "n/a"),

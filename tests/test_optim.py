@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specgen.draft.optim import MuonAdamW, build_optimizer
+from specgen.draft.optim import Muon, MuonAdamW, build_optimizer, newton_schulz_dtype, orthogonalize
 from specgen.draft.trainer import lr_schedule
 from tests.test_draft_model import one_thread, tiny_draft  # noqa: F401 (fixture)
 
@@ -91,3 +91,49 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor(shape):
     assert middle == pytest.approx(0.55)
     quarter = multiplier(4)  # 2 of 10 decay steps
     assert quarter == pytest.approx(0.1 + 0.9 * (0.8 if shape == "linear" else 0.5 * (1 + math.cos(math.pi * 0.2))))
+
+
+def test_muon_with_a_bfloat16_iteration_steps_exactly_as_torchs():
+    """specgen's Muon only picks the dtype of the Newton-Schulz iteration: in bfloat16 it is torch.optim.Muon."""
+    ours, theirs = tiny_draft(), tiny_draft()
+    theirs.load_state_dict(ours.state_dict())
+    matrices = lambda draft: [p for n, p in draft.named_parameters() if p.requires_grad and p.ndim == 2  # noqa: E731
+                              and not n.startswith("lm_head")]
+    settings = dict(lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    mine = Muon(matrices(ours), ns_dtype=newton_schulz_dtype("cpu", frozenset({"amx_bf16"})), **settings)
+    torchs = torch.optim.Muon(matrices(theirs), **settings)
+    for seed in range(3):
+        step_on_random_loss(ours, mine, seed)
+        step_on_random_loss(theirs, torchs, seed)
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
+    assert mine.state_dict()["state"].keys() == torchs.state_dict()["state"].keys()
+    assert all(torch.equal(mine.state_dict()["state"][k]["momentum_buffer"], v["momentum_buffer"])
+               for k, v in torchs.state_dict()["state"].items())
+
+
+@pytest.mark.parametrize("shape", [(48, 160), (160, 48)])
+def test_the_float32_iteration_orthogonalizes_as_the_bfloat16_one(shape):
+    """In float32 the iteration lands where bfloat16's does (its singular values in Muon's band), up to bfloat16's
+    rounding: the CPU path changes the speed, not the update."""
+    torch.manual_seed(0)
+    grad = torch.randn(shape) @ torch.diag(torch.logspace(-3, 0, shape[1]))  # ill-conditioned, as gradients are
+    coefficients = torch.optim._muon.DEFAULT_A, torch.optim._muon.DEFAULT_B, torch.optim._muon.DEFAULT_C
+    exact = orthogonalize(grad, coefficients, 5, 1e-7, torch.float32)
+    rounded = orthogonalize(grad, coefficients, 5, 1e-7, torch.bfloat16).float()
+    assert exact.dtype == torch.float32 and exact.shape == grad.shape
+    singular = torch.linalg.svdvals(exact)
+    top = singular[: min(shape) // 2]  # the well-conditioned half: pushed into Muon's band around 1
+    assert top.min() > 0.6 and singular.max() < 1.25
+    assert (exact - rounded).norm() / exact.norm() < 0.03
+    assert torch.allclose(exact, rounded, atol=0.02)
+
+
+def test_the_iteration_runs_in_bfloat16_only_where_it_is_native():
+    assert newton_schulz_dtype("cpu", frozenset({"avx2", "fma"})).name == "float32"
+    for flag in ("avx512_bf16", "amx_bf16"):
+        choice = newton_schulz_dtype("cpu", frozenset({"avx2", flag}))
+        assert choice.name == "bfloat16" and flag in choice.reason
+    assert newton_schulz_dtype("cuda").name == "bfloat16"
+    draft = tiny_draft()
+    optimizer = build_optimizer(draft, name="muon", **SETTINGS, device="cpu")
+    assert optimizer.parts["muon"].ns_dtype == newton_schulz_dtype("cpu")

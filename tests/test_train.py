@@ -1,6 +1,7 @@
 """`specgen.train`: offline from real shards, online with the target in the loop, checkpoints, resume."""
 
 import json
+import re
 import os
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from safetensors.torch import load_file
 from specgen.assets import ASSETS_DIR
 from specgen.config import compose
 from specgen.draft.checkpoint import load_draft
+from specgen.draft.optim import newton_schulz_dtype
 from specgen.errors import SpecgenError
 from tests.conftest import build_tiny_model
 from tests.test_draft_model import PUBLISHED_NAMES, one_thread  # noqa: F401 (fixture)
@@ -406,4 +408,7 @@ def test_the_summary_says_when_the_draft_vocabulary_is_smaller_than_asked(shards
 
     used = json.loads((tmp_path / "ckpt" / "config.json").read_text())["draft_vocab_size"]
     assert used < 8192
-    assert f"draft.vocab_size=8,192 asked, only {used:,} distinct tokens seen, so {used:,} used" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"draft.vocab_size=8,192 asked, only {used:,} distinct tokens seen, so {used:,} used" in out
+    dtype = newton_schulz_dtype("cpu").name  # the default optimizer says the dtype of its iteration and why
+    assert re.search(rf"optimizer +muon on \d+ hidden matrices \(Newton-Schulz in {dtype}: .+\), adamw on \d+", out)

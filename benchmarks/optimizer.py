@@ -1,0 +1,134 @@
+"""Draft training steps by optimizer on this machine: AdamW, and Muon with its Newton-Schulz iteration in bfloat16
+(torch.optim.Muon's) or in float32 (specgen's choice on a CPU without native bfloat16 matmuls).
+
+    python benchmarks/optimizer.py [--target DIR --shards DIR] [--steps 6] [--ttt-length 5] [--threads 2]
+
+The same draft initialisation, the same batches (read from the shards into memory first), round-robin one step per
+variant at a time so a change in machine load hits every variant alike. Prints seconds per step, the share of it
+spent in optimizer.step(), tokens/s, and the mean training loss over the timed steps (the iteration's dtype changes
+the speed, not what is learned). Without --shards, shards of the bundled tiny target are generated first.
+"""
+
+import argparse
+import itertools
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from specgen.assets import ASSETS_DIR
+from specgen.config import compose
+from specgen.draft.batches import BatchPlan
+from specgen.draft.optim import Muon, build_optimizer
+from specgen.draft.strategy import DDPStrategy
+from specgen.draft.target_head import TargetHead
+from specgen.draft.trainer import DraftTrainer, LoopSettings
+from specgen.draft.ttt import TTTObjective, step_metrics
+from specgen.draft.vocab import VocabMapping
+from specgen.runtime.dtype import DtypeChoice
+from specgen.train import build_draft, offline_data
+
+VARIANTS = {  # name -> (train.optimizer, dtype of Muon's iteration)
+    "adamw": ("adamw", None),
+    "muon, Newton-Schulz in bfloat16 (torch's)": ("muon", "bfloat16"),
+    "muon, Newton-Schulz in float32": ("muon", "float32"),
+}
+
+
+class Timed:
+    """A trainer whose optimizer.step() is timed on its own."""
+
+    def __init__(self, cfg, data, optimizer_name: str, ns_dtype: str | None, out_dir: Path):
+        torch.manual_seed(0)
+        draft = build_draft(cfg, data, None)
+        objective = TTTObjective(draft, ttt_length=cfg.train.ttt_length, decay=cfg.train.ttt_decay)
+        optimizer = build_optimizer(draft, name=optimizer_name, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                                    weight_decay=cfg.train.weight_decay,
+                                    muon_weight_decay=cfg.train.muon_weight_decay)
+        muon = getattr(optimizer, "parts", {}).get("muon")
+        if isinstance(muon, Muon):
+            muon.ns_dtype = DtypeChoice(ns_dtype, "benchmarks/optimizer.py")
+        self.optimizer_seconds = self.seconds = 0.0
+        self.tokens, self.losses = 0, []
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        step = optimizer.step  # (after the scheduler wrapped it)
+
+        def timed_step(*args, **kwargs):
+            start = time.perf_counter()
+            result = step(*args, **kwargs)
+            self.optimizer_seconds += time.perf_counter() - start
+            return result
+
+        optimizer.step = timed_step
+        warnings.filterwarnings("ignore", message="Seems like `optimizer.step()` has been overridden")  # ours
+        strategy = DDPStrategy(objective, optimizer, scheduler, device=torch.device("cpu"), world_size=1,
+                               grad_accum=1, grad_clip=cfg.train.grad_clip)
+        head = TargetHead(data.lm_head, VocabMapping.from_d2t(draft.d2t, draft.config.vocab_size))
+        settings = LoopSettings(total_steps=0, grad_accum=1, ttt_decay=cfg.train.ttt_decay, log_every=1,
+                                save_every=None, autocast_dtype=None)
+        self.trainer = DraftTrainer(strategy=strategy, head=head, source=data.source, settings=settings,
+                                    out_dir=out_dir, save_draft=lambda state: None, is_main=True, progress=False)
+
+    def run(self, batch, timed: bool = True) -> None:
+        optimizer_before, start = self.optimizer_seconds, time.perf_counter()
+        stats = self.trainer.train_batch(batch)
+        if not timed:
+            self.optimizer_seconds = optimizer_before
+            return
+        self.seconds += time.perf_counter() - start
+        self.tokens += batch.num_tokens
+        self.losses.append(step_metrics(stats, self.trainer.settings.ttt_decay)["loss"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", type=Path, default=ASSETS_DIR / "tiny-target")
+    parser.add_argument("--data", type=Path, default=ASSETS_DIR / "chat" / "train.jsonl")
+    parser.add_argument("--shards", type=Path, help="shards generated from --target (else generated here)")
+    parser.add_argument("--rows", type=int, default=300)
+    parser.add_argument("--batch-tokens", type=int, default=2048)
+    parser.add_argument("--ttt-length", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        shards = args.shards
+        if shards is None:
+            from specgen.generate import run as generate
+
+            shards = tmp / "shards"
+            generate(compose("generate", [f"model.path={args.target}", f"data.path={args.data}",
+                                          f"data.max_rows={args.rows}", f"output.dir={shards}",
+                                          "runtime.progress=false"]))
+        cfg = compose("train", [f"data.shards={shards}", f"model.path={args.target}", f"output.dir={tmp / 'c'}",
+                                f"train.batch_tokens={args.batch_tokens}", f"train.ttt_length={args.ttt_length}",
+                                "runtime.device=cpu"])
+        plan = BatchPlan(batch_tokens=args.batch_tokens, max_batch_size=None, seed=0)
+        data = offline_data(cfg, plan, torch.device("cpu"))
+        batches = list(itertools.islice(data.source.epoch(0), args.steps + 1))
+        if len(batches) < args.steps + 1:
+            raise SystemExit(f"only {len(batches)} batches: raise --rows or lower --steps")
+        variants = {name: Timed(cfg, data, *spec, tmp) for name, spec in VARIANTS.items()}
+        for variant in variants.values():
+            variant.run(batches[0], timed=False)  # warm-up
+        for batch in batches[1:]:
+            for variant in variants.values():
+                variant.run(batch)
+
+    base = variants["muon, Newton-Schulz in bfloat16 (torch's)"]
+    print(f"\ndraft training on {args.target.name}, {args.steps} timed steps of <= {args.batch_tokens} tokens, "
+          f"TTT {args.ttt_length}, {args.threads} threads")
+    print(f"{'variant':<44} {'s/step':>7} {'in step()':>9} {'tokens/s':>9} {'vs torch Muon':>13} {'mean loss':>10}")
+    for name, v in variants.items():
+        loss = sum(v.losses) / len(v.losses) if v.losses else float("nan")
+        print(f"{name:<44} {v.seconds / args.steps:>7.2f} {100 * v.optimizer_seconds / v.seconds:>8.1f}% "
+              f"{v.tokens / v.seconds:>9,.0f} {base.seconds / v.seconds:>12.2f}x {loss:>10.4f}")
+
+
+if __name__ == "__main__":
+    main()

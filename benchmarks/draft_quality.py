@@ -42,11 +42,14 @@ EVAL = {"num_draft_tokens": 4, "max_new_tokens": 96}
 
 
 def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: int = 96,
-               samples_out: str | None = None) -> dict:
-    """Speculative decoding of the held-out demo turns: {acceptance_length, rounds, accepted, turns, seconds}.
+               samples_out: str | None = None, prompts: str | None = None, first_turns: bool = False,
+               max_prompts: int | None = None) -> dict:
+    """Speculative decoding of the held-out demo turns (or of `prompts`, any file specgen.evaluate reads, its first
+    `max_prompts`): {acceptance_length, rounds, accepted, turns, seconds}.
 
     Multi-turn prompts continue with the generated answer (the target's greedy output: speculative decoding is
-    lossless, checked by specgen.evaluate and its tests). samples_out, if given, receives one JSON line per turn
+    lossless, checked by specgen.evaluate and its tests); first_turns decodes each prompt's first turn only
+    (specgen.evaluate's evaluate.turns=first). samples_out, if given, receives one JSON line per turn
     ({prompt_token_ids, output_token_ids}, specgen.evaluate's samples.jsonl fields) for a vLLM replay."""
     import torch
 
@@ -72,9 +75,9 @@ def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: in
     eos_ids = set(stop_token_ids(model, tokenizer))  # the turn-ending tokens specgen.evaluate stops at
     rounds = accepted = turns = 0
     samples = []
-    for prompt in read_prompts(str(ASSETS_DIR / "chat" / "heldout.jsonl")):
+    for prompt in read_prompts(prompts or str(ASSETS_DIR / "chat" / "heldout.jsonl"), max_prompts):
         messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
-        for text in prompt.user_turns:
+        for text in prompt.user_turns[:1] if first_turns else prompt.user_turns:
             messages.append({"role": "user", "content": text})
             ids = chat_prompt_ids(tokenizer, messages)
             out = speculative_generate(target, draft, ids, num_draft_tokens=num_draft_tokens,
@@ -216,22 +219,37 @@ def main() -> None:
         print_table(summarize(results), SPECULATORS_REFERENCE, paired_differences(results))
 
 
+def speculators_missing(python: str) -> str | None:
+    """Why `python` cannot run speculators' trainer (one line), or None when it can."""
+    if subprocess.run([python, "-c", "import speculators.train.cli"], capture_output=True, check=False).returncode:
+        return (f"speculators is not importable by {python}: pip install --no-deps speculators hs-connectors there "
+                "(and the small packages it imports) to compare")
+    return None
+
+
+def speculators_command(python: str, shards: Path, ckpt: Path, seed: int, *flags: str) -> list[str]:
+    """benchmarks/speculators_demo.py run by `python` (its flags: --target, --batch-tokens, ...)."""
+    return [python, str(REPO / "benchmarks" / "speculators_demo.py"), "--shards", str(shards), "--out", str(ckpt),
+            "--seed", str(seed), *flags]
+
+
 def run_speculators(python: str, shards: Path, out: Path, seeds: list[int]) -> list[dict]:
     """speculators' trainer on the same shards (see benchmarks/speculators_demo.py); skipped when not installed."""
-    if subprocess.run([python, "-c", "import speculators.train.cli"], capture_output=True, check=False).returncode != 0:
-        print(f"speculators is not importable by {python}: pip install --no-deps speculators hs-connectors there "
-              "(and the small packages it imports) to compare")
+    from specgen.config import RECIPES_DIR
+
+    missing = speculators_missing(python)
+    if missing:
+        print(missing)
         return []
-    recipe = yaml.safe_load((REPO / "specgen" / "conf" / "recipes" / "demo.yaml").read_text())
+    recipe = yaml.safe_load((RECIPES_DIR / "demo.yaml").read_text())
     batch_tokens = recipe["train"]["batch_tokens"]  # the packing budget specgen's demo trains with
     results = []
     for seed in seeds:
         ckpt = out / f"speculators-seed{seed}"
         start = time.perf_counter()
-        subprocess.run([python, str(REPO / "benchmarks" / "speculators_demo.py"), "--shards", str(shards),
-                        "--out", str(ckpt), "--seed", str(seed), "--norm-before-residual",
-                        "--batch-tokens", str(batch_tokens)], check=True, env=_python_env(), cwd=REPO,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(speculators_command(python, shards, ckpt, seed, "--norm-before-residual",
+                                           "--batch-tokens", str(batch_tokens)), check=True, env=_python_env(),
+                       cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         train_seconds = time.perf_counter() - start
         result = evaluate_in_subprocess(ckpt)
         result.update(name="speculators 0.9 (measured)", seed=seed, train_seconds=train_seconds,

@@ -1,12 +1,15 @@
 """Train vLLM's `speculators` (0.9) EAGLE-3 trainer on specgen's demo shards, on CPU; write a specgen checkpoint.
 
     .venv-vllm/bin/python benchmarks/speculators_demo.py --shards DIR --out CKPT [--seed 0] [--max-steps N]
-        [--norm-before-residual] [--batch-tokens 1024]
+        [--norm-before-residual] [--batch-tokens 1024] [--target DIR] [--draft-vocab-size 1024]
+        [--ttt-steps 4] [--epochs 2] [--lr 5e-3]
 
 Used by `benchmarks/draft_quality.py --speculators` to compare trainers on the same data: the demo shards, the same
 draft architecture (one Llama layer shaped like the tiny target's, `norm_before_residual=False` unless asked), the
-same draft vocabulary mapping (specgen's d2t/t2d from the shards' token counts), 4 TTT steps, 2 epochs, lr 5e-3,
-1024-token batches by default (--batch-tokens: speculators packs samples, in shuffled order, to that budget),
+same draft vocabulary mapping (specgen's d2t/t2d from the shards' token counts, clipped as specgen clips it to the
+distinct trained tokens), 4 TTT steps, 2 epochs, lr 5e-3, 1024-token batches by default (--batch-tokens:
+speculators packs samples, in shuffled order, to that budget; `benchmarks/levers.py` passes a real target's shards
+and its train config's values),
 speculators' norm_before_fc and norm_output off (specgen's draft has neither; speculators 0.9 turns both on for
 EAGLE-3, and norm_before_residual too). Everything else is speculators' own defaults (LM head from the target,
 frozen; Muon on the hidden matrices and AdamW, betas (0.9, 0.999), on the rest; clipping 1.0; linear decay to 0
@@ -40,8 +43,9 @@ from specgen.draft.vocab import build_vocab_mapping, read_token_counts
 from specgen.store.reader import open_shards
 
 
-def convert_shards(shards: Path, out: Path, target: Path, draft_vocab_size: int) -> tuple[Path, Path, Path]:
-    """specgen shards -> speculators' offline data folder, plus d2t/t2d .npy files (specgen's mapping)."""
+def convert_shards(shards: Path, out: Path, target: Path, draft_vocab_size: int) -> tuple[Path, Path, Path, int]:
+    """specgen shards -> speculators' offline data folder, plus d2t/t2d .npy files (specgen's mapping) and the
+    draft vocabulary's size (clipped, as specgen's trainer clips it, to the distinct trained tokens)."""
     import datasets
 
     data_dir = out / "data"
@@ -66,7 +70,7 @@ def convert_shards(shards: Path, out: Path, target: Path, draft_vocab_size: int)
     d2t, t2d = out / "d2t.npy", out / "t2d.npy"
     np.save(d2t, mapping.d2t.numpy())
     np.save(t2d, mapping.t2d.numpy())
-    return data_dir, d2t, t2d
+    return data_dir, d2t, t2d, len(mapping.d2t)
 
 
 def _patch_for_cpu() -> None:
@@ -92,11 +96,12 @@ def train(args: argparse.Namespace) -> Path:
     from speculators.train.config import TrainConfig
 
     work = args.out / "speculators"
-    data_dir, d2t, t2d = convert_shards(args.shards, work, args.target, args.draft_vocab_size)
+    data_dir, d2t, t2d, draft_vocab_size = convert_shards(args.shards, work, args.target, args.draft_vocab_size)
     _patch_for_cpu()
     argv = ["--verifier-name-or-path", str(args.target), "--data-path", str(data_dir), "--save-path",
             str(work / "checkpoints"), "--d2t-path", str(d2t), "--t2d-path", str(t2d),
-            "--draft-vocab-size", str(args.draft_vocab_size), "--ttt-steps", "4", "--epochs", "2", "--lr", "5e-3",
+            "--draft-vocab-size", str(draft_vocab_size), "--ttt-steps", str(args.ttt_steps),
+            "--epochs", str(args.epochs), "--lr", str(args.lr),
             "--total-seq-len", str(args.batch_tokens), "--train-data-ratio", "0.999", "--num-workers", "0",
             "--hidden-states-dtype", "float32", "--draft-attn-impl", "eager", "--seed", str(args.seed),
             "--loss-implementation", "eager", "--logger", "", "--log-dir", str(work / "logs"), "--num-layers", "1",
@@ -138,6 +143,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--draft-vocab-size", type=int, default=1024)
     parser.add_argument("--max-steps", type=int)
+    parser.add_argument("--ttt-steps", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--batch-tokens", type=int, default=1024, help="tokens per packed batch (--total-seq-len)")
     parser.add_argument("--norm-before-residual", action="store_true")
     args = parser.parse_args()

@@ -1,0 +1,558 @@
+"""Data levers for EAGLE-3 draft training on a real target, several seeds each (issue #23's table).
+
+    python benchmarks/levers.py --model M --prompts P.jsonl --out DIR [--recipe smollm2-135m]
+        [--levers original regenerated synthesized mixed] [--rows N] [--seeds 0 1 2] [--jobs 1]
+        [--ks 3 5 7] [--ttt-length T] [--steps N] [--set KEY=VALUE ...]
+        [--speculators PYTHON [--speculators-seeds S ...]]
+        [--eval-prompts FILE] [--max-prompts N] [--max-new-tokens 64]
+        [--vllm-python PYTHON [--vllm-seeds 0]] [--dry-run]
+
+M is the target's model folder and P its prompt mix; for SmolLM2-135M-Instruct (recipe=smollm2-135m) both come
+from `python -m specgen.assets.smollm2 --out M` and `... --prompts P.jsonl`. Every lever starts from the first
+--rows rows of P (data.max_rows; default: the recipe's):
+  original      the rows with their original responses;
+  regenerated   every assistant turn rewritten by the target (specgen.regenerate);
+  synthesized   the user turns written by the target too (regenerate.user_turns=synthesize);
+  mixed         row i of regenerated when i is even, of synthesized when odd, as many rows as the smaller has.
+Each lever's rows become shards (specgen.generate), on which every seed trains a draft (specgen.train,
+runtime.seed=S, train.ttt_length=T (default: the largest K), train.max_steps=--steps when given, one thread each,
+--jobs at once). --speculators PYTHON also trains speculators' trainer (benchmarks/speculators_demo.py, run by
+PYTHON, e.g. .venv-vllm/bin/python) on the regenerated shards, with the train config's packing budget, draft
+vocabulary, epochs, lr, TTT length and --steps.
+
+Every draft then decodes the first turns of --eval-prompts (MT-Bench's 80 by default; the first --max-prompts)
+greedily, a chain of K draft tokens a round for each K in --ks (draft_quality.acceptance: specgen's speculative
+decoding on the CPU, one thread, float32). Acceptance length = 1 + accepted draft tokens / verification rounds,
+pooled over the prompts (vLLM's counting). --vllm-python also serves the drafts of --vllm-seeds on the same
+prompts in vLLM's CPU build (served_acceptance.replay) and says whether vLLM's counters (drafts, accepted tokens)
+and output tokens equal specgen's.
+
+--set KEY=VALUE goes to every stage (regenerate, generate, train) whose configuration holds KEY's parent, e.g.
+runtime.device=cuda to all three, train.precision=fp32 to train only, regenerate.max_new_tokens=48 to regenerate
+only; a key no stage has is an error. Every command is checked against specgen's schema before anything runs.
+
+Prints, per lever and trainer, acceptance mean ± std over seeds with each seed's value at every K, then the wall
+seconds of every stage. DIR keeps everything: data/{regenerated,synthesized}/ and data/mixed.jsonl, shards/LEVER/,
+drafts/LEVER-TRAINER-seedS/, eval/LEVER-TRAINER-seedS/ (kK.json, turns-kK.jsonl, vllm-kK.json), logs/NAME.log (each
+stage's output), stages.json (each stage's command and wall seconds) and results.jsonl (one line per lever,
+trainer, seed and K; rewritten as evaluations finish). Re-running the same command skips every finished stage
+(regenerate or generate output with its manifest.json, a draft folder with config.json + model.safetensors, an
+evaluation at the same K on the same prompts), so a killed run goes on where it stopped (specgen's regenerate and
+generate also resume their own unfinished parts). --dry-run prints every command and what is already done.
+
+Cost on the shared 2-core CPU (SmolLM2-135M, float32; measured 2026-11-26): regeneration dominates at ~110 s of wall
+per source row with the recipe's 256 new tokens a turn (8 rows: 885 s for 1,926 new tokens); capture ~420 tokens/s;
+training ~210 tokens/s a job at train.ttt_length=7; speculators ~55-70 s per 2,048-token step (Muon in emulated
+bfloat16); evaluation ~0.12 s per generated token at each K (80 prompts x 64 tokens: ~10 min per K and draft); a
+vLLM replay ~1 min of engine start plus ~15-20 tokens/s. So the full table (--rows 300, 3 seeds, 4 levers, K 3 5 7,
+80 prompts, speculators on 3 seeds, vLLM on seed 0) is ~35 hours at --jobs 1, ~20 of them regenerating.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # this checkout's specgen, before an installed one
+from common import SHARED  # noqa: E402
+from draft_quality import REPO, _python_env, acceptance, speculators_command, speculators_missing  # noqa: E402
+from served_acceptance import FLAGS, method_of, replay  # noqa: E402
+
+LEVERS = ("original", "regenerated", "synthesized", "mixed")
+REGENERATED = {"regenerated": [], "synthesized": ["regenerate.user_turns=synthesize"]}
+STAGES = ("regenerate", "generate", "train")
+MT_BENCH = SHARED / "datasets" / "mt_bench_questions.jsonl"
+
+
+class Failed(Exception):
+    """A stage or a setting that stops the run; main prints it as one line."""
+
+
+class Stages:
+    """Runs the stages (output in logs/NAME.log), skips finished ones, keeps each one's command and wall seconds
+    in stages.json."""
+
+    def __init__(self, out: Path, dry_run: bool):
+        self.out, self.dry_run = out, dry_run
+        self.path = out / "stages.json"
+        self.record = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.lock = threading.Lock()
+
+    def run(self, name: str, done, command: list[str] | None = None, call=None, shown: str = "") -> bool:
+        """Run `command` (or `call(log)`, described by `shown`) unless `done()` says its output is complete;
+        whether it ran."""
+        shown = shown or " ".join(map(str, command))
+        if done():
+            earlier = self.record.get(name, {}).get("command")
+            say(f"[done] {name}" + (" (made by another command; delete its output to redo it)"
+                                    if earlier not in (None, shown) else ""))
+            return False
+        say(f"[run]  {name}: {shown}" if self.dry_run else f"[run]  {name}")
+        if self.dry_run:
+            return False
+        log = self.out / "logs" / f"{name}.log"
+        start = time.perf_counter()
+        if command is not None:
+            with open(log, "w") as handle:
+                code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=_python_env(),
+                                      cwd=REPO).returncode
+            if code:
+                raise Failed(f"{name} failed (exit {code}): {last_line(log)} [log: {log}; command: {shown}]")
+        else:
+            call(log)
+        seconds = time.perf_counter() - start
+        say(f"       {name}: {seconds:.0f} s")
+        with self.lock:
+            self.record[name] = {"command": shown, "seconds": seconds}
+            write_atomic(self.path, json.dumps(self.record, indent=1))
+        return True
+
+    def seconds(self, name: str) -> float | None:
+        return self.record.get(name, {}).get("seconds")
+
+
+def say(line: str, lock=threading.Lock()) -> None:
+    """One line to stdout, whole (drafts train in threads)."""
+    with lock:
+        print(line, flush=True)
+
+
+def last_line(log: Path) -> str:
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+# ---- commands -----------------------------------------------------------------------------------------------
+
+
+def routed(args, stage: str) -> list[str]:
+    """The --set items whose key's parent (or the key, at top level) is in `stage`'s configuration."""
+    return [item for item in args.set if stage in args.key_stages[item]]
+
+
+def route_sets(args) -> dict[str, list[str]]:
+    """{--set item: stages that take it}; an item no stage takes is an error."""
+    from omegaconf import OmegaConf
+
+    from specgen.config import compose
+
+    placeholders = {"regenerate": ["model.path=M", "data.path=P"], "generate": ["model.path=M", "data.path=P"],
+                    "train": ["data.shards=S"]}
+    configs = {stage: compose(stage, placeholders[stage]) for stage in STAGES}
+    stages = {}
+    for item in args.set:
+        key = item.split("=", 1)[0].lstrip("+~")
+        parent = key.rsplit(".", 1)[0]
+        stages[item] = [stage for stage, cfg in configs.items()
+                        if OmegaConf.select(cfg, parent, default="<absent>") != "<absent>"]
+        if "=" not in item or not stages[item]:
+            raise Failed(f"--set {item}: no stage ({', '.join(STAGES)}) has the key {key}")
+    return stages
+
+
+def stage_command(args, stage: str, *overrides: str) -> list[str]:
+    """`python -m specgen.STAGE recipe=R ...overrides --set items`, checked against specgen's schema."""
+    from specgen.config import compose
+
+    keys = [f"recipe={args.recipe}", *overrides, "runtime.progress=false", *routed(args, stage)]
+    names = [key.split("=", 1)[0] for key in keys]
+    keys = [key for i, key in enumerate(keys) if names[i] not in names[i + 1:]]  # a later KEY=VALUE wins
+    compose(stage, keys)  # a wrong key or value: a one-line SpecgenError before anything runs
+    return [sys.executable, "-m", f"specgen.{stage}", *keys]
+
+
+def rows_override(args) -> list[str]:
+    return [f"data.max_rows={args.rows}"] if args.rows else []
+
+
+def data_path(args, lever: str) -> Path:
+    """What generate reads for `lever`."""
+    if lever == "original":
+        return args.prompts
+    if lever == "mixed":
+        return args.out / "data" / "mixed.jsonl"
+    return args.out / "data" / lever
+
+
+def draft_name(lever: str, trainer: str, seed: int) -> str:
+    return f"{lever}-{trainer}-seed{seed}"
+
+
+def train_command(args, lever: str, seed: int) -> list[str]:
+    steps = [f"train.max_steps={args.steps}"] if args.steps else []
+    return stage_command(args, "train", f"data.shards={args.out / 'shards' / lever}",
+                         f"output.dir={args.out / 'drafts' / draft_name(lever, 'specgen', seed)}",
+                         f"runtime.seed={seed}", f"train.ttt_length={args.ttt_length}", *steps, "runtime.threads=1",
+                         "output.overwrite=true")
+
+
+def speculators_flags(args) -> list[str]:
+    """speculators_demo.py's settings from specgen's train config on the regenerated shards (equal data, equal
+    budget: packing, draft vocabulary, epochs, lr, TTT steps, max steps, norm_before_residual). specgen's
+    train.max_steps runs past train.epochs; speculators stops at whichever comes first, so it gets as many epochs
+    as steps then (one batch an epoch at least)."""
+    from specgen.config import compose
+
+    cfg = compose("train", train_command(args, "regenerated", 0)[3:])
+    flags = ["--target", str(args.model), "--batch-tokens", str(cfg.train.batch_tokens),
+             "--draft-vocab-size", str(cfg.draft.vocab_size), "--ttt-steps", str(cfg.train.ttt_length),
+             "--epochs", str(cfg.train.max_steps or cfg.train.epochs), "--lr", str(cfg.train.lr)]
+    if cfg.train.max_steps:
+        flags += ["--max-steps", str(cfg.train.max_steps)]
+    return flags + (["--norm-before-residual"] if cfg.draft.norm_before_residual else [])
+
+
+# ---- data ---------------------------------------------------------------------------------------------------
+
+
+def has_manifest(folder: Path):
+    return lambda: (folder / "manifest.json").exists()
+
+
+def regenerated_rows(folder: Path) -> list[str]:
+    """The JSON lines of a regenerate output, in its manifest's part order."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    return [line for part in manifest["parts"] for line in (folder / part).read_text().splitlines() if line]
+
+
+def check_rows(folder: Path, name: str) -> None:
+    stats = json.loads((folder / "manifest.json").read_text())["stats"]
+    if not stats["rows"]:
+        raise Failed(f"{name} kept none of its {stats['source_rows']} rows (dropped: {stats['dropped']}, rejected: "
+                     f"{stats['rejected']}); raise regenerate.max_new_tokens or --set regenerate.on_truncated=keep")
+
+
+def mix(args, log: Path) -> None:
+    """data/mixed.jsonl: row i of regenerated when i is even, of synthesized when odd (the smaller one's count)."""
+    first, second = (regenerated_rows(args.out / "data" / lever) for lever in ("regenerated", "synthesized"))
+    rows = [(first if i % 2 == 0 else second)[i] for i in range(min(len(first), len(second)))]
+    write_atomic(data_path(args, "mixed"), "".join(row + "\n" for row in rows))
+    log.write_text(f"{len(rows)} rows: {len(first)} regenerated, {len(second)} synthesized\n")
+
+
+def data_steps(args) -> list[dict]:
+    """Stages.run's arguments, in order: regenerate (regenerated and synthesized, once each), mix, then generate
+    every lever's shards."""
+    steps = []
+    sources = {lever for lever in args.levers if lever in REGENERATED}
+    if "mixed" in args.levers:
+        sources |= set(REGENERATED)
+    for lever in sorted(sources):
+        folder = data_path(args, lever)
+        steps.append({"name": f"regenerate-{lever}", "done": has_manifest(folder), "command": stage_command(
+            args, "regenerate", f"model.path={args.model}", f"data.path={args.prompts}", f"output.dir={folder}",
+            *rows_override(args), *REGENERATED[lever])})
+    if "mixed" in args.levers:
+        steps.append({"name": "mix", "done": data_path(args, "mixed").exists, "call": lambda log: mix(args, log),
+                      "shown": f"{data_path(args, 'mixed')}: rows of data/regenerated (even) and data/synthesized "
+                               "(odd)"})
+    for lever in args.levers:
+        shards = args.out / "shards" / lever
+        steps.append({"name": f"generate-{lever}", "done": has_manifest(shards), "command": stage_command(
+            args, "generate", f"model.path={args.model}", f"data.path={data_path(args, lever)}",
+            f"output.dir={shards}", *rows_override(args))})
+    return steps
+
+
+def make_data(args, stages: Stages, steps: list[dict]) -> None:
+    for step in steps:
+        stages.run(**step)
+        if step["name"].startswith("regenerate-") and not args.dry_run:
+            check_rows(data_path(args, step["name"].removeprefix("regenerate-")), step["name"])
+
+
+# ---- drafts -------------------------------------------------------------------------------------------------
+
+
+def is_draft(folder: Path):
+    return lambda: (folder / "config.json").exists() and (folder / "model.safetensors").exists()
+
+
+def eval_settings(args) -> dict:
+    return {"prompts": str(Path(args.eval_prompts).resolve()), "max_prompts": args.max_prompts,
+            "max_new_tokens": args.max_new_tokens, "turns": "first"}
+
+
+def evaluated(args, name: str, k: int) -> dict | None:
+    """The evaluation of draft `name` at K when it exists for this run's prompts."""
+    path = args.out / "eval" / name / f"k{k}.json"
+    result = json.loads(path.read_text()) if path.exists() else None
+    return result if result and result["settings"] == eval_settings(args) else None
+
+
+def draft_commands(args) -> dict[tuple[str, str, int], list[str]]:
+    """The training command of every draft, built (and checked) before anything runs."""
+    flags = speculators_flags(args) if args.speculators else []
+    return {(lever, trainer, seed): train_command(args, lever, seed) if trainer == "specgen" else speculators_command(
+        args.speculators, args.out / "shards" / lever, args.out / "drafts" / draft_name(lever, trainer, seed), seed,
+        *flags) for lever, trainer, seed in runs(args)}
+
+
+def train_and_evaluate(args, stages: Stages, lever: str, trainer: str, seed: int) -> None:
+    name = draft_name(lever, trainer, seed)
+    ckpt = args.out / "drafts" / name
+    trained = stages.run(f"train-{name}", is_draft(ckpt), args.draft_commands[lever, trainer, seed])
+    missing = list(args.ks) if trained else [k for k in args.ks if evaluated(args, name, k) is None]
+    command = [sys.executable, __file__, "--evaluate", str(ckpt), "--out", str(args.out / "eval" / name),
+               "--ks", *map(str, missing or args.ks), "--eval-prompts", str(args.eval_prompts),
+               "--max-new-tokens", str(args.max_new_tokens),
+               *(["--max-prompts", str(args.max_prompts)] if args.max_prompts else [])]
+    stages.run(f"evaluate-{name}", lambda: not missing, command)
+    if not args.dry_run:
+        with stages.lock:
+            write_results(args, stages)
+
+
+def train_all(args, stages: Stages) -> None:
+    """Every draft, --jobs at once; the first failure cancels the drafts not yet started."""
+    with ThreadPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(train_and_evaluate, args, stages, *run) for run in runs(args)]
+        try:
+            for future in as_completed(futures):
+                future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+def evaluate_here(args) -> None:
+    """Internal (--evaluate CKPT): decode the prompts at each K; kK.json and turns-kK.jsonl into --out."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    for k in args.ks:
+        (args.out / f"vllm-k{k}.json").unlink(missing_ok=True)  # served on turns about to be replaced
+        result = acceptance(args.evaluate, num_draft_tokens=k, max_new_tokens=args.max_new_tokens,
+                            samples_out=str(args.out / f"turns-k{k}.jsonl"), prompts=str(args.eval_prompts),
+                            first_turns=True, max_prompts=args.max_prompts)
+        write_atomic(args.out / f"k{k}.json", json.dumps({**result, "k": k, "settings": eval_settings(args)}))
+        print(f"K={k}: acceptance {result['acceptance_length']:.3f} ({result['seconds']:.0f} s)", flush=True)
+
+
+def serve(args, stages: Stages, lever: str, trainer: str, seed: int) -> None:
+    """vLLM's CPU build on the turns specgen decoded for this draft, at each K (served_acceptance.replay)."""
+    name = draft_name(lever, trainer, seed)
+    ckpt, folder = args.out / "drafts" / name, args.out / "eval" / name
+    method = FLAGS[method_of(str(ckpt))] if is_draft(ckpt)() else []  # (no draft yet in a dry run)
+    for k in args.ks:
+        turns, out = folder / f"turns-k{k}.jsonl", folder / f"vllm-k{k}.json"
+        flags = ["--draft", str(ckpt), "--k", str(k), *method]
+
+        def call(log: Path, turns=turns, out=out, flags=flags) -> None:
+            try:
+                replay(args.vllm_python, turns, out, args.model, args.max_new_tokens, *flags)
+            except SystemExit as error:  # replay's message ends with vLLM's stderr
+                log.write_text(str(error))
+                raise Failed(f"vllm-{name}-k{k} failed: {last_line(log)} [log: {log}]") from None
+
+        stages.run(f"vllm-{name}-k{k}", out.exists, call=call,
+                   shown=f"{args.vllm_python} tests/vllm_replay.py {turns} {out} --target {args.model} "
+                         f"--max-new-tokens {args.max_new_tokens} {' '.join(flags)}")
+    if not args.dry_run:
+        write_results(args, stages)
+
+
+# ---- results ------------------------------------------------------------------------------------------------
+
+
+def runs(args) -> list[tuple[str, str, int]]:
+    """(lever, trainer, seed) of every draft of this run."""
+    found = [(lever, "specgen", seed) for lever in args.levers for seed in args.seeds]
+    if args.speculators and "regenerated" in args.levers:
+        found += [("regenerated", "speculators", seed) for seed in args.speculators_seeds]
+    return found
+
+
+def collect(args, stages: Stages) -> list[dict]:
+    """One record per (lever, trainer, seed, K) evaluated so far, with vLLM's counts where served."""
+    records = []
+    for lever, trainer, seed in runs(args):
+        name = draft_name(lever, trainer, seed)
+        for k in args.ks:
+            result = evaluated(args, name, k)
+            if result is None:
+                continue
+            record = {"lever": lever, "trainer": trainer, "seed": seed, "k": k,
+                      "acceptance_length": result["acceptance_length"], "rounds": result["rounds"],
+                      "accepted": result["accepted"], "prompts": result["turns"],
+                      "eval_prompts": result["settings"]["prompts"],
+                      "max_new_tokens": result["settings"]["max_new_tokens"],
+                      "train_seconds": stages.seconds(f"train-{name}"), "evaluate_seconds": result["seconds"],
+                      "checkpoint": str(args.out / "drafts" / name)}
+            served = args.out / "eval" / name / f"vllm-k{k}.json"
+            if served.exists():
+                vllm = json.loads(served.read_text())
+                turns = (args.out / "eval" / name / f"turns-k{k}.jsonl").read_text().splitlines()
+                drafts, accepted = vllm.get("num_drafts", 0), vllm.get("num_accepted_tokens", 0)
+                record["vllm"] = {"acceptance_length": vllm.get("acceptance_length", float("nan")),
+                                  "num_drafts": drafts, "num_accepted_tokens": accepted,
+                                  "tokens_per_second": vllm["output_tokens_per_second"],
+                                  "counts_equal": (drafts, accepted)
+                                  == (result["rounds"], result["accepted"]),
+                                  "outputs_equal": vllm["output_token_ids"]
+                                  == [json.loads(turn)["output_token_ids"] for turn in turns]}
+            records.append(record)
+    return records
+
+
+def write_results(args, stages: Stages) -> None:
+    write_atomic(args.out / "results.jsonl", "".join(json.dumps(r) + "\n" for r in collect(args, stages)))
+
+
+def shard_stats(args, lever: str) -> dict:
+    path = args.out / "shards" / lever / "manifest.json"
+    return json.loads(path.read_text())["stats"] if path.exists() else {}
+
+
+def mean_std(values: list[float]) -> str:
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.3f} ± {std:.3f}"
+
+
+def print_tables(args, stages: Stages, records: list[dict]) -> None:
+    groups = list(dict.fromkeys((r["lever"], r["trainer"]) for r in records))
+    width = max(8, 6 * len(args.seeds) - 1)  # each seed's value: "1.234 "
+    print(f"\n{'lever':<12} {'trainer':<11} {'rows':>5} {'trained tok':>11} {'seeds':>5}  "
+          + "  ".join(f"{f'K={k} mean ± std':>15}  {'per seed':<{width}}" for k in args.ks))
+    for lever, trainer in groups:
+        stats = shard_stats(args, lever)
+        cells = []
+        for k in args.ks:
+            values = [r["acceptance_length"] for r in records
+                      if (r["lever"], r["trainer"], r["k"]) == (lever, trainer, k)]
+            cells.append(f"{mean_std(values) if values else '-':>15}  "
+                         f"{' '.join(f'{v:.3f}' for v in values):<{width}}")
+        seeds = len({r["seed"] for r in records if (r["lever"], r["trainer"]) == (lever, trainer)})
+        print(f"{lever:<12} {trainer:<11} {stats.get('samples', '-'):>5} {stats.get('trainable_tokens', '-'):>11} "
+              f"{seeds:>5}  " + "  ".join(cells))
+    prompts = records[0]["prompts"] if records else 0
+    print(f"acceptance length = 1 + accepted / verification rounds (vLLM's counting), specgen's speculative decoding, "
+          f"chain, greedy; first turns of {Path(args.eval_prompts).name} ({prompts} prompts), "
+          f"{args.max_new_tokens} new tokens; drafts trained with train.ttt_length={args.ttt_length}")
+    print_times(args, stages)
+    served = [r for r in records if "vllm" in r]
+    if served:
+        print("\nvLLM's CPU build on the same prompts (float32, greedy, up to 8 sequences at once)")
+        print(f"{'lever':<12} {'trainer':<11} {'seed':>4} {'K':>2} {'vLLM':>7} {'specgen':>7} {'tokens/s':>8}  "
+              "counts (drafts, accepted)   output tokens")
+        for r in served:
+            v = r["vllm"]
+            print(f"{r['lever']:<12} {r['trainer']:<11} {r['seed']:>4} {r['k']:>2} {v['acceptance_length']:>7.3f} "
+                  f"{r['acceptance_length']:>7.3f} {v['tokens_per_second']:>8.1f}  "
+                  f"{'equal to specgen' if v['counts_equal'] else 'DIFFER':<27} "
+                  f"{'equal to specgen' if v['outputs_equal'] else 'DIFFER'}")
+
+
+def print_times(args, stages: Stages) -> None:
+    """Wall seconds of each stage (from stages.json: earlier runs' stages too)."""
+    def show(value) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
+    print(f"\n{'wall seconds':<24} {'regenerate':>10} {'generate':>8}  {'train (per seed)':<24} "
+          "evaluate (per seed, all K)")
+    for lever, trainer in dict.fromkeys((lv, tr) for lv, tr, _ in runs(args)):
+        seeds = [s for lv, tr, s in runs(args) if (lv, tr) == (lever, trainer)]
+        regenerate = stages.seconds(f"regenerate-{lever}") if trainer == "specgen" else None
+        generate = stages.seconds(f"generate-{lever}") if trainer == "specgen" else None
+        train = " ".join(show(stages.seconds(f"train-{draft_name(lever, trainer, s)}")) for s in seeds)
+        evaluate = " ".join(show(stages.seconds(f"evaluate-{draft_name(lever, trainer, s)}")) for s in seeds)
+        print(f"{lever + ' ' + trainer:<24} {show(regenerate):>10} {show(generate):>8}  {train:<24} {evaluate}")
+    if "mixed" in args.levers:
+        print("mixed: regenerate is regenerated's and synthesized's; mixing took "
+              f"{show(stages.seconds('mix'))} s")
+    served = [value for name, value in stages.record.items() if name.startswith("vllm-")]
+    if served:
+        print(f"vLLM serving: {len(served)} runs, {sum(v['seconds'] for v in served):.0f} s")
+
+
+# ---- main ---------------------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, help="the target's model folder")
+    parser.add_argument("--prompts", type=Path, help="the prompt rows (conversations) every lever starts from")
+    parser.add_argument("--out", type=Path, required=True, help="everything the run makes; re-run to resume")
+    parser.add_argument("--recipe", default="smollm2-135m")
+    parser.add_argument("--levers", nargs="+", choices=LEVERS, default=list(LEVERS))
+    parser.add_argument("--rows", type=int, help="data.max_rows of regenerate and generate (default: the recipe's)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--jobs", type=int, default=1, help="drafts trained (and evaluated) at once, one thread each")
+    parser.add_argument("--ks", type=int, nargs="+", default=[3, 5, 7])
+    parser.add_argument("--ttt-length", type=int, help="train.ttt_length (default: the largest K)")
+    parser.add_argument("--steps", type=int, help="train.max_steps (default: the recipe's epochs)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for the stages")
+    parser.add_argument("--speculators", metavar="PYTHON", help="also train speculators' trainer with this python")
+    parser.add_argument("--speculators-seeds", type=int, nargs="+", help="default: --seeds")
+    parser.add_argument("--eval-prompts", type=Path, default=MT_BENCH)
+    parser.add_argument("--max-prompts", type=int, help="evaluate on the first N prompts only")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--vllm-python", help="vLLM's venv python: also serve the drafts in vLLM")
+    parser.add_argument("--vllm-seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--dry-run", action="store_true", help="print every command, run none")
+    parser.add_argument("--evaluate", help=argparse.SUPPRESS)  # internal: evaluate one draft into --out
+    args = parser.parse_args()
+    args.ttt_length = args.ttt_length or max(args.ks)
+    args.speculators_seeds = args.speculators_seeds or args.seeds
+    return args
+
+
+def check(args) -> None:
+    """Paths and interpreters before anything runs, each a one-line error."""
+    for flag in ("model", "prompts"):
+        if getattr(args, flag) is None or not getattr(args, flag).exists():
+            raise Failed(f"--{flag} {getattr(args, flag)} does not exist")
+    if not args.eval_prompts.exists():
+        raise Failed(f"--eval-prompts {args.eval_prompts} does not exist (SPECGEN_SHARED names ../shared)")
+    if args.speculators and "regenerated" not in args.levers:
+        raise Failed("--speculators trains on the regenerated shards: add regenerated to --levers")
+    missing = args.speculators and not args.dry_run and speculators_missing(args.speculators)
+    if missing:
+        raise Failed(missing)
+    if args.ttt_length < max(args.ks):
+        print(f"note: train.ttt_length={args.ttt_length} is below the largest K={max(args.ks)}")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.evaluate:
+        return evaluate_here(args)
+    from specgen.errors import SpecgenError
+
+    try:
+        check(args)
+        args.model, args.prompts = args.model.resolve(), args.prompts.resolve()
+        args.out = args.out.resolve()
+        for flag in ("speculators", "vllm_python"):  # absolute, not resolved: a venv's python is a symlink
+            setattr(args, flag, getattr(args, flag) and os.path.abspath(getattr(args, flag)))
+        for folder in ("logs", "data", "shards", "drafts", "eval") if not args.dry_run else ():
+            (args.out / folder).mkdir(parents=True, exist_ok=True)
+        args.key_stages = route_sets(args)
+        steps, args.draft_commands = data_steps(args), draft_commands(args)  # every command checked up front
+        stages = Stages(args.out, args.dry_run)
+        make_data(args, stages, steps)
+        train_all(args, stages)
+        if args.vllm_python:
+            for lever, trainer, seed in runs(args):
+                if seed in args.vllm_seeds:
+                    serve(args, stages, lever, trainer, seed)
+    except (Failed, SpecgenError) as error:
+        raise SystemExit(f"levers: {error}") from None
+    if not args.dry_run:
+        write_results(args, stages)
+        print_tables(args, stages, collect(args, stages))
+
+
+if __name__ == "__main__":
+    main()

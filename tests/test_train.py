@@ -411,4 +411,4 @@ def test_the_summary_says_when_the_draft_vocabulary_is_smaller_than_asked(shards
     out = capsys.readouterr().out
     assert f"draft.vocab_size=8,192 asked, only {used:,} distinct tokens seen, so {used:,} used" in out
     dtype = newton_schulz_dtype("cpu").name  # the default optimizer says the dtype of its iteration and why
-    assert re.search(rf"optimizer +muon on \d+ hidden matrices \(Newton-Schulz in {dtype}: .+\), adamw on \d+", out)
+    assert re.search(rf"optimizer +muon on \d+ hidden matrices, Newton-Schulz in {dtype} \(.+\); adamw on \d+", out)

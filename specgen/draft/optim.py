@@ -40,8 +40,8 @@ def newton_schulz_dtype(device: str | torch.device, cpu_flags: frozenset[str] | 
     native = native_on("bfloat16", device, cpu_flags)
     if native:
         return DtypeChoice("bfloat16", f"as torch.optim.Muon, {native}")
-    return DtypeChoice("float32", "this CPU has no native bfloat16 matmul (no avx512_bf16 or amx_bf16), where "
-                                  "float32 is several times faster")
+    return DtypeChoice("float32", "this CPU has no native bfloat16 matmul, no avx512_bf16 or amx_bf16; float32 is "
+                                  "several times faster")
 
 
 class Muon(torch.optim.Muon):
@@ -105,8 +105,8 @@ def describe(optimizer: torch.optim.Optimizer) -> str:
         return f"{type(optimizer).__name__.lower()} on {sum(len(g['params']) for g in optimizer.param_groups)} tensors"
     muon = optimizer.parts["muon"]
     rest = sum(len(g["params"]) for g in optimizer.parts["adamw"].param_groups) if "adamw" in optimizer.parts else 0
-    return (f"muon on {sum(len(g['params']) for g in muon.param_groups)} hidden matrices (Newton-Schulz in "
-            f"{muon.ns_dtype.name}: {muon.ns_dtype.reason}), adamw on {rest} tensors")
+    return (f"muon on {sum(len(g['params']) for g in muon.param_groups)} hidden matrices, Newton-Schulz in "
+            f"{muon.ns_dtype.name} ({muon.ns_dtype.reason}); adamw on {rest} tensors")
 
 
 class MuonAdamW(torch.optim.Optimizer):

@@ -3,7 +3,7 @@
     python benchmarks/levers.py --model M --prompts P.jsonl --out DIR [--recipe smollm2-135m]
         [--levers original regenerated synthesized mixed] [--rows N] [--regenerate-python PYTHON]
         [--seeds 0 1 2] [--jobs 1]
-        [--ks 3 5 7] [--ttt-length T] [--steps N] [--set KEY=VALUE ...]
+        [--methods eagle3 eagle3.1 p-eagle dflash] [--ks 3 5 7] [--ttt-length T] [--steps N] [--set KEY=VALUE ...]
         [--speculators PYTHON [--speculators-seeds S ...]]
         [--eval-prompts FILE] [--max-prompts N] [--max-new-tokens 64]
         [--vllm-python PYTHON [--vllm-seeds 0]] [--dry-run]
@@ -19,9 +19,10 @@ from `python -m specgen.assets.smollm2 --out M` and `... --prompts P.jsonl`. Eve
   mixed         row i of regenerated when i is even, of synthesized when odd, as many rows as the smaller has.
 Each lever's rows become shards (specgen.generate), on which every seed trains a draft (specgen.train,
 runtime.seed=S, train.ttt_length=T (default: the largest K), train.max_steps=--steps when given, one thread each,
---jobs at once). --speculators PYTHON also trains speculators' trainer (benchmarks/speculators_demo.py, run by
-PYTHON, e.g. .venv-vllm/bin/python) on the regenerated shards, with the train config's packing budget, draft
-vocabulary, epochs, lr, TTT length and --steps.
+--jobs at once); --methods adds specgen's other draft methods (issue #24's axis: `draft.method=M`, named specgen-M
+in the tables; DFlash with `draft.dflash.block_size` = T + 1). --speculators PYTHON also trains speculators' trainer
+(benchmarks/speculators_demo.py, run by PYTHON, e.g. .venv-vllm/bin/python) on the regenerated shards, with the
+train config's packing budget, draft vocabulary, epochs, lr, TTT length and --steps.
 
 Every draft then decodes the first turns of --eval-prompts (MT-Bench's 80 by default; the first --max-prompts)
 greedily, a chain of K draft tokens a round for each K in --ks (draft_quality.acceptance: specgen's speculative
@@ -68,6 +69,7 @@ from draft_quality import REPO, _python_env, acceptance, speculators_command, sp
 from served_acceptance import FLAGS, method_of, replay  # noqa: E402
 
 LEVERS = ("original", "regenerated", "synthesized", "mixed")
+METHODS = ("eagle3", "eagle3.1", "p-eagle", "dflash")
 REGENERATED = {"regenerated": [], "synthesized": ["regenerate.user_turns=synthesize"]}
 STAGES = ("regenerate", "generate", "train")
 MT_BENCH = SHARED / "datasets" / "mt_bench_questions.jsonl"
@@ -193,12 +195,25 @@ def draft_name(lever: str, trainer: str, seed: int) -> str:
     return f"{lever}-{trainer}-seed{seed}"
 
 
-def train_command(args, lever: str, seed: int) -> list[str]:
+def trainer_label(method: str) -> str:
+    """specgen's trainer for `method` in the tables and folder names: `specgen` for EAGLE-3, else specgen-METHOD."""
+    return "specgen" if method == "eagle3" else f"specgen-{method}"
+
+
+def method_of_label(trainer: str) -> str:
+    return "eagle3" if trainer == "specgen" else trainer.removeprefix("specgen-")
+
+
+def train_command(args, lever: str, seed: int, trainer: str = "specgen") -> list[str]:
+    method = method_of_label(trainer)
     steps = [f"train.max_steps={args.steps}"] if args.steps else []
+    # DFlash trains one block of ttt_length masks and is served with its first K (as benchmarks/draft_methods.py)
+    method_keys = [f"draft.dflash.block_size={args.ttt_length + 1}"] if method == "dflash" else []
     return stage_command(args, "train", f"data.shards={args.out / 'shards' / lever}",
-                         f"output.dir={args.out / 'drafts' / draft_name(lever, 'specgen', seed)}",
+                         f"output.dir={args.out / 'drafts' / draft_name(lever, trainer, seed)}",
                          f"runtime.seed={seed}", f"train.ttt_length={args.ttt_length}", *steps, "runtime.threads=1",
-                         "output.overwrite=true")
+                         "output.overwrite=true", *([f"draft.method={method}"] if method != "eagle3" else []),
+                         *method_keys)
 
 
 def speculators_flags(args) -> list[str]:
@@ -301,7 +316,8 @@ def evaluated(args, name: str, k: int) -> dict | None:
 def draft_commands(args) -> dict[tuple[str, str, int], list[str]]:
     """The training command of every draft, built (and checked) before anything runs."""
     flags = speculators_flags(args) if args.speculators else []
-    return {(lever, trainer, seed): train_command(args, lever, seed) if trainer == "specgen" else speculators_command(
+    return {(lever, trainer, seed): train_command(args, lever, seed, trainer) if trainer.startswith("specgen")
+            else speculators_command(
         args.speculators, args.out / "shards" / lever, args.out / "drafts" / draft_name(lever, trainer, seed), seed,
         *flags) for lever, trainer, seed in runs(args)}
 
@@ -374,7 +390,8 @@ def serve(args, stages: Stages, lever: str, trainer: str, seed: int) -> None:
 
 def runs(args) -> list[tuple[str, str, int]]:
     """(lever, trainer, seed) of every draft of this run."""
-    found = [(lever, "specgen", seed) for lever in args.levers for seed in args.seeds]
+    found = [(lever, trainer_label(method), seed) for lever in args.levers for method in args.methods
+             for seed in args.seeds]
     if args.speculators and "regenerated" in args.levers:
         found += [("regenerated", "speculators", seed) for seed in args.speculators_seeds]
     return found
@@ -429,7 +446,7 @@ def mean_std(values: list[float]) -> str:
 def print_tables(args, stages: Stages, records: list[dict]) -> None:
     groups = list(dict.fromkeys((r["lever"], r["trainer"]) for r in records))
     width = max(8, 6 * len(args.seeds) - 1)  # each seed's value: "1.234 "
-    print(f"\n{'lever':<12} {'trainer':<11} {'rows':>5} {'trained tok':>11} {'seeds':>5}  "
+    print(f"\n{'lever':<12} {'trainer':<16} {'rows':>5} {'trained tok':>11} {'seeds':>5}  "
           + "  ".join(f"{f'K={k} mean ± std':>15}  {'per seed':<{width}}" for k in args.ks))
     for lever, trainer in groups:
         stats = shard_stats(args, lever)
@@ -440,7 +457,7 @@ def print_tables(args, stages: Stages, records: list[dict]) -> None:
             cells.append(f"{mean_std(values) if values else '-':>15}  "
                          f"{' '.join(f'{v:.3f}' for v in values):<{width}}")
         seeds = len({r["seed"] for r in records if (r["lever"], r["trainer"]) == (lever, trainer)})
-        print(f"{lever:<12} {trainer:<11} {stats.get('samples', '-'):>5} {stats.get('trainable_tokens', '-'):>11} "
+        print(f"{lever:<12} {trainer:<16} {stats.get('samples', '-'):>5} {stats.get('trainable_tokens', '-'):>11} "
               f"{seeds:>5}  " + "  ".join(cells))
     prompts = records[0]["prompts"] if records else 0
     print(f"acceptance length = 1 + accepted / verification rounds (vLLM's counting), specgen's speculative decoding, "
@@ -450,11 +467,11 @@ def print_tables(args, stages: Stages, records: list[dict]) -> None:
     served = [r for r in records if "vllm" in r]
     if served:
         print("\nvLLM's CPU build on the same prompts (float32, greedy, up to 8 sequences at once)")
-        print(f"{'lever':<12} {'trainer':<11} {'seed':>4} {'K':>2} {'vLLM':>7} {'specgen':>7} {'tokens/s':>8}  "
+        print(f"{'lever':<12} {'trainer':<16} {'seed':>4} {'K':>2} {'vLLM':>7} {'specgen':>7} {'tokens/s':>8}  "
               "counts (drafts, accepted)   output tokens")
         for r in served:
             v = r["vllm"]
-            print(f"{r['lever']:<12} {r['trainer']:<11} {r['seed']:>4} {r['k']:>2} {v['acceptance_length']:>7.3f} "
+            print(f"{r['lever']:<12} {r['trainer']:<16} {r['seed']:>4} {r['k']:>2} {v['acceptance_length']:>7.3f} "
                   f"{r['acceptance_length']:>7.3f} {v['tokens_per_second']:>8.1f}  "
                   f"{'equal to specgen' if v['counts_equal'] else 'DIFFER':<27} "
                   f"{'equal to specgen' if v['outputs_equal'] else 'DIFFER'}")
@@ -465,15 +482,15 @@ def print_times(args, stages: Stages) -> None:
     def show(value) -> str:
         return "-" if value is None else f"{value:.0f}"
 
-    print(f"\n{'wall seconds':<24} {'regenerate':>10} {'generate':>8}  {'train (per seed)':<24} "
+    print(f"\n{'wall seconds':<29} {'regenerate':>10} {'generate':>8}  {'train (per seed)':<24} "
           "evaluate (per seed, all K)")
     for lever, trainer in dict.fromkeys((lv, tr) for lv, tr, _ in runs(args)):
         seeds = [s for lv, tr, s in runs(args) if (lv, tr) == (lever, trainer)]
-        regenerate = stages.seconds(f"regenerate-{lever}") if trainer == "specgen" else None
-        generate = stages.seconds(f"generate-{lever}") if trainer == "specgen" else None
+        regenerate = stages.seconds(f"regenerate-{lever}") if trainer.startswith("specgen") else None
+        generate = stages.seconds(f"generate-{lever}") if trainer.startswith("specgen") else None
         train = " ".join(show(stages.seconds(f"train-{draft_name(lever, trainer, s)}")) for s in seeds)
         evaluate = " ".join(show(stages.seconds(f"evaluate-{draft_name(lever, trainer, s)}")) for s in seeds)
-        print(f"{lever + ' ' + trainer:<24} {show(regenerate):>10} {show(generate):>8}  {train:<24} {evaluate}")
+        print(f"{lever + ' ' + trainer:<29} {show(regenerate):>10} {show(generate):>8}  {train:<24} {evaluate}")
     if "mixed" in args.levers:
         print("mixed: regenerate is regenerated's and synthesized's; mixing took "
               f"{show(stages.seconds('mix'))} s")
@@ -496,6 +513,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--regenerate-python", metavar="PYTHON",
                         help="regenerate with vLLM's engine (engine=vllm), run by this python (vLLM's venv)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=["eagle3"],
+                        help="draft methods specgen trains on every lever (issue #24's axis)")
     parser.add_argument("--jobs", type=int, default=1, help="drafts trained (and evaluated) at once, one thread each")
     parser.add_argument("--ks", type=int, nargs="+", default=[3, 5, 7])
     parser.add_argument("--ttt-length", type=int, help="train.ttt_length (default: the largest K)")

@@ -62,8 +62,10 @@ class Muon(torch.optim.Muon):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                grad = param.grad
-                buf = self.state[param].setdefault("momentum_buffer", torch.zeros_like(grad))
+                grad, state = param.grad, self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(grad)
+                buf = state["momentum_buffer"]
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
                 update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"],

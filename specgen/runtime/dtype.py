@@ -47,24 +47,23 @@ def choose_dtype(requested: str, device: str | torch.device, checkpoint: str | N
     if saved == "float32":
         return DtypeChoice(saved, "model.dtype=auto: the checkpoint's dtype")
     native = native_on(saved, device, cpu_flags)
-    if native and not native.startswith("this CPU"):
-        return DtypeChoice(saved, f"model.dtype=auto: the checkpoint's dtype {native}")
     if native:
-        return DtypeChoice(saved, f"model.dtype=auto: the checkpoint's dtype; {native}")
+        return DtypeChoice(saved, f"model.dtype=auto: the checkpoint's dtype {native}")
     return DtypeChoice("float32", f"model.dtype=auto: the checkpoint is {saved}, but this CPU has no native {saved} "
                                   f"matmul (no {' or '.join(NATIVE_CPU_FLAGS[saved])}), where float32 is faster; "
                                   f"model.dtype={saved} forces it")
 
 
 def native_on(name: str, device: str | torch.device, cpu_flags: frozenset[str] | None = None) -> str | None:
-    """Why `device` multiplies the half-precision dtype `name` natively ("on cuda", "this CPU multiplies bfloat16
-    natively (amx_bf16)"), or None on a CPU that emulates it. cpu_flags: as choose_dtype's."""
+    """Where `device` multiplies the half-precision dtype `name` natively, as a phrase ("on cuda", "on this CPU,
+    which multiplies bfloat16 natively (amx_bf16)"), or None on a CPU that emulates it. cpu_flags: as
+    choose_dtype's."""
     where = torch.device(device).type
     if where != "cpu":
         return f"on {where}"
     flags = read_cpu_flags() if cpu_flags is None else cpu_flags
     native = [flag for flag in NATIVE_CPU_FLAGS[name] if flag in flags]
-    return f"this CPU multiplies {name} natively ({native[0]})" if native else None
+    return f"on this CPU, which multiplies {name} natively ({native[0]})" if native else None
 
 
 def resolve_model_dtype(requested: str, device: str | torch.device, model_path: str | Path) -> DtypeChoice:

@@ -22,13 +22,10 @@ from specgen.assets import ASSETS_DIR
 from specgen.config import compose
 from specgen.draft.batches import BatchPlan
 from specgen.draft.optim import Muon, build_optimizer
-from specgen.draft.strategy import DDPStrategy
-from specgen.draft.target_head import TargetHead
-from specgen.draft.trainer import DraftTrainer, LoopSettings
-from specgen.draft.ttt import TTTObjective, step_metrics
-from specgen.draft.vocab import VocabMapping
+from specgen.draft.ttt import step_metrics
 from specgen.runtime.dtype import DtypeChoice
-from specgen.train import build_draft, offline_data
+from specgen.train import offline_data
+from train import make_trainer  # benchmarks/train.py
 
 VARIANTS = {  # name -> (train.optimizer, dtype of Muon's iteration)
     "adamw": ("adamw", None),
@@ -38,22 +35,22 @@ VARIANTS = {  # name -> (train.optimizer, dtype of Muon's iteration)
 
 
 class Timed:
-    """A trainer whose optimizer.step() is timed on its own."""
+    """A trainer (benchmarks/train.py's) whose optimizer.step() is timed on its own."""
 
     def __init__(self, cfg, data, optimizer_name: str, ns_dtype: str | None, out_dir: Path):
-        torch.manual_seed(0)
-        draft = build_draft(cfg, data, None)
-        objective = TTTObjective(draft, ttt_length=cfg.train.ttt_length, decay=cfg.train.ttt_decay)
-        optimizer = build_optimizer(draft, name=optimizer_name, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+        def optimizer(draft):
+            built = build_optimizer(draft, name=optimizer_name, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
                                     weight_decay=cfg.train.weight_decay,
                                     muon_weight_decay=cfg.train.muon_weight_decay)
-        muon = getattr(optimizer, "parts", {}).get("muon")
-        if isinstance(muon, Muon):
-            muon.ns_dtype = DtypeChoice(ns_dtype, "benchmarks/optimizer.py")
+            if isinstance(getattr(built, "parts", {}).get("muon"), Muon):
+                built.parts["muon"].ns_dtype = DtypeChoice(ns_dtype, "benchmarks/optimizer.py")
+            return built
+
+        self.trainer = make_trainer(cfg, data, out_dir, optimizer)
         self.optimizer_seconds = self.seconds = 0.0
         self.tokens, self.losses = 0, []
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-        step = optimizer.step  # (after the scheduler wrapped it)
+        built = self.trainer.strategy.optimizer
+        step = built.step  # (as the trainer's scheduler wrapped it)
 
         def timed_step(*args, **kwargs):
             start = time.perf_counter()
@@ -61,15 +58,8 @@ class Timed:
             self.optimizer_seconds += time.perf_counter() - start
             return result
 
-        optimizer.step = timed_step
+        built.step = timed_step
         warnings.filterwarnings("ignore", message="Seems like `optimizer.step()` has been overridden")  # ours
-        strategy = DDPStrategy(objective, optimizer, scheduler, device=torch.device("cpu"), world_size=1,
-                               grad_accum=1, grad_clip=cfg.train.grad_clip)
-        head = TargetHead(data.lm_head, VocabMapping.from_d2t(draft.d2t, draft.config.vocab_size))
-        settings = LoopSettings(total_steps=0, grad_accum=1, ttt_decay=cfg.train.ttt_decay, log_every=1,
-                                save_every=None, autocast_dtype=None)
-        self.trainer = DraftTrainer(strategy=strategy, head=head, source=data.source, settings=settings,
-                                    out_dir=out_dir, save_draft=lambda state: None, is_main=True, progress=False)
 
     def run(self, batch, timed: bool = True) -> None:
         optimizer_before, start = self.optimizer_seconds, time.perf_counter()

@@ -37,12 +37,13 @@ from specgen.train import TrainingData, build_draft, offline_data, online_data
 ROUND_STEPS = 4  # steps per variant per round-robin round
 
 
-def make_trainer(cfg, data: TrainingData, out_dir: Path) -> DraftTrainer:
-    """A fresh draft (same seed every time) and a single-process trainer around it."""
+def make_trainer(cfg, data: TrainingData, out_dir: Path, optimizer=None) -> DraftTrainer:
+    """A fresh draft (same seed every time) and a single-process trainer around it. optimizer: draft -> its
+    optimizer (default: AdamW at train.lr)."""
     torch.manual_seed(0)
     draft = build_draft(cfg, data, None)
     objective = TTTObjective(draft, ttt_length=cfg.train.ttt_length, decay=cfg.train.ttt_decay)
-    optimizer = torch.optim.AdamW(draft.trainable_parameters(), lr=cfg.train.lr)
+    optimizer = (optimizer or (lambda d: torch.optim.AdamW(d.trainable_parameters(), lr=cfg.train.lr)))(draft)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     strategy = DDPStrategy(objective, optimizer, scheduler, device=torch.device("cpu"), world_size=1, grad_accum=1,
                          grad_clip=cfg.train.grad_clip)

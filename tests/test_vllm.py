@@ -255,6 +255,19 @@ def test_regenerate_vllm_greedy_equals_hf_greedy_float32(llama, data, tmp_path):
     assert got["generation"]["backend"].startswith("vllm")
 
 
+def test_sampled_regeneration_on_a_cpu_prefills_every_prompt_whole():
+    """vLLM's CPU worker rewinds a seeded request's generator after a split prefill step, which a CPU generator refuses
+    ('CPU Generator does not use offset': SmolLM2, 200 rows, engine=vllm, sampled, died in its first part). Sampled
+    regeneration there turns chunked prefill off; greedy (no seeds) and an explicit engine.extra setting keep theirs."""
+    from specgen.regen.engine import Sampling
+    from specgen.regen.vllm import cpu_seeded_kwargs
+
+    sampled, greedy = (Sampling(temperature=t, top_p=1.0, top_k=0, max_new_tokens=8) for t in (0.7, 0.0))
+    assert cpu_seeded_kwargs(sampled, {"max_num_seqs": 8}) == {"enable_chunked_prefill": False}
+    assert cpu_seeded_kwargs(greedy, {}) == {}
+    assert cpu_seeded_kwargs(sampled, {"enable_chunked_prefill": True}) == {}
+
+
 def test_regenerate_vllm_within_the_model_positions(tmp_path):
     """The bundled 2048-position target with data.max_length=2048 and max_new_tokens=48: the engine gets
     max_model_len 2048 (not 2096, which vLLM refuses), and a prompt over 2000 tokens is rejected and counted,

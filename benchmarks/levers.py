@@ -6,7 +6,7 @@
         [--methods eagle3 eagle3.1 p-eagle dflash] [--ks 3 5 7] [--ttt-length T] [--steps N] [--set KEY=VALUE ...]
         [--speculators PYTHON [--speculators-seeds S ...]]
         [--eval-prompts FILE] [--max-prompts N] [--max-new-tokens 64]
-        [--vllm-python PYTHON [--vllm-seeds 0]] [--dry-run]
+        [--vllm-python PYTHON [--vllm-seeds 0] [--counter vllm [--check-prompts 8]]] [--dry-run]
 
 M is the target's model folder and P its prompt mix; for SmolLM2-135M-Instruct (recipe=smollm2-135m) both come
 from `python -m specgen.assets.smollm2 --out M` and `... --prompts P.jsonl`. Every lever starts from the first
@@ -31,25 +31,34 @@ pooled over the prompts (vLLM's counting). --vllm-python also serves the drafts 
 prompts in vLLM's CPU build (served_acceptance.replay) and says whether vLLM's counters (drafts, accepted tokens)
 and output tokens equal specgen's.
 
+--counter vllm makes vLLM the counter of the table: every draft is served on every prompt at each K
+(eval/NAME/served-kK.json), vLLM batching up to 8 sequences where specgen decodes one at a time (65 tokens/s for
+the SmolLM2 target alone on one core, against ~19 for specgen's greedy on two), and every served output must equal
+the target alone's in vLLM (eval/target.json: lossless). specgen's decoding then runs only for the --vllm-seeds
+drafts on the first --check-prompts prompts, which vLLM also serves, and the table below says whether both
+counted the same drafts and accepted tokens there.
+
 --set KEY=VALUE goes to every stage (regenerate, generate, train) whose configuration holds KEY's parent, e.g.
 runtime.device=cuda to all three, train.precision=fp32 to train only, regenerate.max_new_tokens=48 to regenerate
 only; a key no stage has is an error. Every command is checked against specgen's schema before anything runs.
 
 Prints, per lever and trainer, acceptance mean ± std over seeds with each seed's value at every K, then the wall
 seconds of every stage. DIR keeps everything: data/{regenerated,synthesized}/ and data/mixed.jsonl, shards/LEVER/,
-drafts/LEVER-TRAINER-seedS/, eval/LEVER-TRAINER-seedS/ (kK.json, turns-kK.jsonl, vllm-kK.json), logs/NAME.log (each
+drafts/LEVER-TRAINER-seedS/, eval/LEVER-TRAINER-seedS/ (kK.json, turns-kK.jsonl, vllm-kK.json, served-kK.json),
+eval/turns.jsonl and eval/target.json (--counter vllm), logs/NAME.log (each
 stage's output), stages.json (each stage's command and wall seconds) and results.jsonl (one line per lever,
 trainer, seed and K; rewritten as evaluations finish). Re-running the same command skips every finished stage
 (regenerate or generate output with its manifest.json, a draft folder with config.json + model.safetensors, an
 evaluation at the same K on the same prompts), so a killed run goes on where it stopped (specgen's regenerate and
 generate also resume their own unfinished parts). --dry-run prints every command and what is already done.
 
-Cost on the shared 2-core CPU (SmolLM2-135M, float32; measured 2026-11-26): regeneration dominates at ~110 s of wall
-per source row with the recipe's 256 new tokens a turn (8 rows: 885 s for 1,926 new tokens); capture ~420 tokens/s;
-training ~210 tokens/s a job at train.ttt_length=7; speculators ~55-70 s per 2,048-token step (Muon in emulated
-bfloat16); evaluation ~0.12 s per generated token at each K (80 prompts x 64 tokens: ~10 min per K and draft); a
-vLLM replay ~1 min of engine start plus ~15-20 tokens/s. So the full table (--rows 300, 3 seeds, 4 levers, K 3 5 7,
-80 prompts, speculators on 3 seeds, vLLM on seed 0) is ~35 hours at --jobs 1, ~20 of them regenerating.
+Cost on the shared 2-core CPU (SmolLM2-135M, float32; measured 2026-11-26): regeneration with vLLM's engine
+(--regenerate-python) 765 s for 200 rows at the recipe's 256 new tokens a turn (56 new tokens/s); capture ~430
+tokens/s; training a few minutes a draft since Muon iterates in float32 on such a CPU (speculators' too:
+speculators_demo.py's patch 4); specgen's evaluation ~0.12 s per generated token at each K (80 prompts x 64
+tokens: ~10 min per K and draft), vLLM's (--counter vllm) ~2 min per K and draft. --jobs 2 trains two drafts at
+once, one thread each; export VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 then, or both jobs' vLLM engines
+bind core 0.
 """
 
 import argparse
@@ -66,7 +75,7 @@ from pathlib import Path
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # this checkout's specgen, before an installed one
 from common import SHARED  # noqa: E402
 from draft_quality import REPO, _python_env, acceptance, speculators_command, speculators_missing  # noqa: E402
-from served_acceptance import FLAGS, method_of, replay  # noqa: E402
+from served_acceptance import FLAGS, method_of, replay, write_turns  # noqa: E402
 
 LEVERS = ("original", "regenerated", "synthesized", "mixed")
 METHODS = ("eagle3", "eagle3.1", "p-eagle", "dflash")
@@ -301,9 +310,20 @@ def is_draft(folder: Path):
     return lambda: (folder / "config.json").exists() and (folder / "model.safetensors").exists()
 
 
+def specgen_prompts(args) -> int | None:
+    """How many prompts specgen's own decoding covers: all (--max-prompts) or, with --counter vllm, --check-prompts."""
+    if args.counter == "vllm":
+        return min(args.check_prompts, args.max_prompts or args.check_prompts)
+    return args.max_prompts
+
+
 def eval_settings(args) -> dict:
-    return {"prompts": str(Path(args.eval_prompts).resolve()), "max_prompts": args.max_prompts,
+    return {"prompts": str(Path(args.eval_prompts).resolve()), "max_prompts": specgen_prompts(args),
             "max_new_tokens": args.max_new_tokens, "turns": "first"}
+
+
+def served_settings(args) -> dict:
+    return {**eval_settings(args), "max_prompts": args.max_prompts, "counter": "vllm"}
 
 
 def evaluated(args, name: str, k: int) -> dict | None:
@@ -326,12 +346,15 @@ def train_and_evaluate(args, stages: Stages, lever: str, trainer: str, seed: int
     name = draft_name(lever, trainer, seed)
     ckpt = args.out / "drafts" / name
     trained = stages.run(f"train-{name}", is_draft(ckpt), args.draft_commands[lever, trainer, seed])
-    missing = list(args.ks) if trained else [k for k in args.ks if evaluated(args, name, k) is None]
-    command = [sys.executable, __file__, "--evaluate", str(ckpt), "--out", str(args.out / "eval" / name),
-               "--ks", *map(str, missing or args.ks), "--eval-prompts", str(args.eval_prompts),
-               "--max-new-tokens", str(args.max_new_tokens),
-               *(["--max-prompts", str(args.max_prompts)] if args.max_prompts else [])]
-    stages.run(f"evaluate-{name}", lambda: not missing, command)
+    if args.counter == "specgen" or seed in args.vllm_seeds:  # with --counter vllm: the check on --check-prompts
+        missing = list(args.ks) if trained else [k for k in args.ks if evaluated(args, name, k) is None]
+        command = [sys.executable, __file__, "--evaluate", str(ckpt), "--out", str(args.out / "eval" / name),
+                   "--ks", *map(str, missing or args.ks), "--eval-prompts", str(args.eval_prompts),
+                   "--max-new-tokens", str(args.max_new_tokens),
+                   *(["--max-prompts", str(specgen_prompts(args))] if specgen_prompts(args) else [])]
+        stages.run(f"evaluate-{name}", lambda: not missing, command)
+    if args.counter == "vllm":
+        count(args, stages, name, ckpt, fresh=trained)
     if not args.dry_run:
         with stages.lock:
             write_results(args, stages)
@@ -362,6 +385,61 @@ def evaluate_here(args) -> None:
         print(f"K={k}: acceptance {result['acceptance_length']:.3f} ({result['seconds']:.0f} s)", flush=True)
 
 
+def target_alone(args, stages: Stages) -> None:
+    """--counter vllm: the prompts' first turns (eval/turns.jsonl) and vLLM's greedy output of the target alone on
+    them (eval/target.json), which every draft's served output must equal (lossless)."""
+    turns, out = args.out / "eval" / "turns.jsonl", args.out / "eval" / "target.json"
+
+    def made() -> bool:
+        return out.exists() and json.loads(out.read_text()).get("settings") == served_settings(args)
+
+    def call(log: Path) -> None:
+        write_turns(str(args.model), str(args.eval_prompts), turns)
+        if args.max_prompts:
+            write_atomic(turns, "".join(turns.read_text().splitlines(keepends=True)[:args.max_prompts]))
+        result = replay(args.vllm_python, turns, out, args.model, args.max_new_tokens)
+        write_atomic(out, json.dumps({**result, "settings": served_settings(args)}))
+        log.write_text(f"{len(result['output_token_ids'])} turns, {result['output_tokens_per_second']:.1f} tokens/s\n")
+
+    stages.run("vllm-target", made, call=call,
+               shown=f"{args.vllm_python} tests/vllm_replay.py {turns} {out} --target {args.model} "
+                     f"--max-new-tokens {args.max_new_tokens}")
+
+
+def counted(args, name: str, k: int) -> dict | None:
+    """vLLM's count for draft `name` at K on every prompt, when it exists for this run's prompts."""
+    path = args.out / "eval" / name / f"served-k{k}.json"
+    result = json.loads(path.read_text()) if path.exists() else None
+    return result if result and result.get("settings") == served_settings(args) else None
+
+
+def count(args, stages: Stages, name: str, ckpt: Path, fresh: bool) -> None:
+    """--counter vllm: the draft served by vLLM's CPU build on every prompt's first turn at each K
+    (eval/NAME/served-kK.json: vLLM's counters and outputs)."""
+    method = FLAGS[method_of(str(ckpt))] if is_draft(ckpt)() else []  # (no draft yet in a dry run)
+    turns = args.out / "eval" / "turns.jsonl"
+    for k in args.ks:
+        out = args.out / "eval" / name / f"served-k{k}.json"
+        if fresh:
+            out.unlink(missing_ok=True)  # served from a draft since retrained
+        flags = ["--draft", str(ckpt), "--k", str(k), *method]
+
+        def call(log: Path, out=out, flags=flags) -> None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                result = replay(args.vllm_python, turns, out, args.model, args.max_new_tokens, *flags)
+            except SystemExit as error:
+                log.write_text(str(error))
+                raise Failed(f"count-{name} failed: {last_line(log)} [log: {log}]") from None
+            write_atomic(out, json.dumps({**result, "settings": served_settings(args)}))
+            log.write_text(f"acceptance {result.get('acceptance_length', float('nan')):.3f}, "
+                           f"{result['output_tokens_per_second']:.1f} tokens/s\n")
+
+        stages.run(f"count-{name}-k{k}", lambda k=k: counted(args, name, k) is not None, call=call,
+                   shown=f"{args.vllm_python} tests/vllm_replay.py {turns} {out} --target {args.model} "
+                         f"--max-new-tokens {args.max_new_tokens} {' '.join(flags)}")
+
+
 def serve(args, stages: Stages, lever: str, trainer: str, seed: int) -> None:
     """vLLM's CPU build on the turns specgen decoded for this draft, at each K (served_acceptance.replay)."""
     name = draft_name(lever, trainer, seed)
@@ -389,36 +467,51 @@ def serve(args, stages: Stages, lever: str, trainer: str, seed: int) -> None:
 
 
 def runs(args) -> list[tuple[str, str, int]]:
-    """(lever, trainer, seed) of every draft of this run."""
-    found = [(lever, trainer_label(method), seed) for lever in args.levers for method in args.methods
-             for seed in args.seeds]
-    if args.speculators and "regenerated" in args.levers:
-        found += [("regenerated", "speculators", seed) for seed in args.speculators_seeds]
+    """(lever, trainer, seed) of every draft of this run, in --levers order; speculators' right after specgen's on
+    the regenerated shards, so a run stopped early has the equal-data comparison first."""
+    found = []
+    for lever in args.levers:
+        found += [(lever, trainer_label(method), seed) for method in args.methods for seed in args.seeds]
+        if args.speculators and lever == "regenerated":
+            found += [("regenerated", "speculators", seed) for seed in args.speculators_seeds]
     return found
 
 
 def collect(args, stages: Stages) -> list[dict]:
-    """One record per (lever, trainer, seed, K) evaluated so far, with vLLM's counts where served."""
+    """One record per (lever, trainer, seed, K) counted so far (by specgen's decoding or, with --counter vllm, by
+    vLLM's), with the check of vLLM against specgen where both decoded the same prompts."""
     records = []
+    target = args.out / "eval" / "target.json"
+    alone = json.loads(target.read_text())["output_token_ids"] if target.exists() else None
     for lever, trainer, seed in runs(args):
         name = draft_name(lever, trainer, seed)
         for k in args.ks:
+            base = {"lever": lever, "trainer": trainer, "seed": seed, "k": k,
+                    "eval_prompts": str(Path(args.eval_prompts).resolve()), "max_new_tokens": args.max_new_tokens,
+                    "train_seconds": stages.seconds(f"train-{name}"), "checkpoint": str(args.out / "drafts" / name)}
             result = evaluated(args, name, k)
-            if result is None:
+            if args.counter == "vllm":
+                served = counted(args, name, k)
+                if served is None:
+                    continue
+                record = {**base, "counter": "vllm", "acceptance_length": served.get("acceptance_length"),
+                          "rounds": served.get("num_drafts", 0), "accepted": served.get("num_accepted_tokens", 0),
+                          "prompts": len(served["output_token_ids"]), "evaluate_seconds": served["generate_seconds"],
+                          "tokens_per_second": served["output_tokens_per_second"],
+                          "lossless": alone is not None and served["output_token_ids"] == alone}
+            elif result is not None:
+                record = {**base, "counter": "specgen", "acceptance_length": result["acceptance_length"],
+                          "rounds": result["rounds"], "accepted": result["accepted"], "prompts": result["turns"],
+                          "evaluate_seconds": result["seconds"]}
+            else:
                 continue
-            record = {"lever": lever, "trainer": trainer, "seed": seed, "k": k,
-                      "acceptance_length": result["acceptance_length"], "rounds": result["rounds"],
-                      "accepted": result["accepted"], "prompts": result["turns"],
-                      "eval_prompts": result["settings"]["prompts"],
-                      "max_new_tokens": result["settings"]["max_new_tokens"],
-                      "train_seconds": stages.seconds(f"train-{name}"), "evaluate_seconds": result["seconds"],
-                      "checkpoint": str(args.out / "drafts" / name)}
-            served = args.out / "eval" / name / f"vllm-k{k}.json"
-            if served.exists():
-                vllm = json.loads(served.read_text())
+            check = args.out / "eval" / name / f"vllm-k{k}.json"
+            if result is not None and check.exists():
+                vllm = json.loads(check.read_text())
                 turns = (args.out / "eval" / name / f"turns-k{k}.jsonl").read_text().splitlines()
                 drafts, accepted = vllm.get("num_drafts", 0), vllm.get("num_accepted_tokens", 0)
                 record["vllm"] = {"acceptance_length": vllm.get("acceptance_length", float("nan")),
+                                  "specgen_acceptance_length": result["acceptance_length"], "prompts": len(turns),
                                   "num_drafts": drafts, "num_accepted_tokens": accepted,
                                   "tokens_per_second": vllm["output_tokens_per_second"],
                                   "counts_equal": (drafts, accepted)
@@ -460,19 +553,26 @@ def print_tables(args, stages: Stages, records: list[dict]) -> None:
         print(f"{lever:<12} {trainer:<16} {stats.get('samples', '-'):>5} {stats.get('trainable_tokens', '-'):>11} "
               f"{seeds:>5}  " + "  ".join(cells))
     prompts = records[0]["prompts"] if records else 0
-    print(f"acceptance length = 1 + accepted / verification rounds (vLLM's counting), specgen's speculative decoding, "
+    counter = ("vLLM's CPU build serving each draft (its own counters; float32, up to 8 sequences at once)"
+               if args.counter == "vllm" else "specgen's speculative decoding")
+    print(f"acceptance length = 1 + accepted / verification rounds (vLLM's counting), {counter}, "
           f"chain, greedy; first turns of {Path(args.eval_prompts).name} ({prompts} prompts), "
           f"{args.max_new_tokens} new tokens; drafts trained with train.ttt_length={args.ttt_length}")
+    if args.counter == "vllm":
+        lossy = [f"{r['lever']}-{r['trainer']}-seed{r['seed']} K={r['k']}" for r in records if not r["lossless"]]
+        print("lossless: " + (f"every served output equals the target alone's ({len(records)} runs)" if not lossy
+                              else f"{len(lossy)} runs differ from the target alone: {', '.join(lossy)}"))
     print_times(args, stages)
     served = [r for r in records if "vllm" in r]
     if served:
-        print("\nvLLM's CPU build on the same prompts (float32, greedy, up to 8 sequences at once)")
+        print(f"\nvLLM's CPU build and specgen's decoding on the same {served[0]['vllm']['prompts']} prompts (float32, "
+              "greedy, up to 8 sequences at once)")
         print(f"{'lever':<12} {'trainer':<16} {'seed':>4} {'K':>2} {'vLLM':>7} {'specgen':>7} {'tokens/s':>8}  "
               "counts (drafts, accepted)   output tokens")
         for r in served:
             v = r["vllm"]
             print(f"{r['lever']:<12} {r['trainer']:<16} {r['seed']:>4} {r['k']:>2} {v['acceptance_length']:>7.3f} "
-                  f"{r['acceptance_length']:>7.3f} {v['tokens_per_second']:>8.1f}  "
+                  f"{v['specgen_acceptance_length']:>7.3f} {v['tokens_per_second']:>8.1f}  "
                   f"{'equal to specgen' if v['counts_equal'] else 'DIFFER':<27} "
                   f"{'equal to specgen' if v['outputs_equal'] else 'DIFFER'}")
 
@@ -527,6 +627,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--vllm-python", help="vLLM's venv python: also serve the drafts in vLLM")
     parser.add_argument("--vllm-seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--counter", choices=("specgen", "vllm"), default="specgen",
+                        help="who counts the table's acceptance: specgen's decoding, or vLLM serving every draft on "
+                             "every prompt (needs --vllm-python; specgen then decodes --check-prompts for the "
+                             "--vllm-seeds drafts, and vLLM the same, to check the counts agree)")
+    parser.add_argument("--check-prompts", type=int, default=8)
     parser.add_argument("--dry-run", action="store_true", help="print every command, run none")
     parser.add_argument("--evaluate", help=argparse.SUPPRESS)  # internal: evaluate one draft into --out
     args = parser.parse_args()
@@ -547,6 +652,8 @@ def check(args) -> None:
     missing = args.speculators and not args.dry_run and speculators_missing(args.speculators)
     if missing:
         raise Failed(missing)
+    if args.counter == "vllm" and not args.vllm_python:
+        raise Failed("--counter vllm serves every draft in vLLM: pass --vllm-python (vLLM's venv python)")
     if args.ttt_length < max(args.ks):
         print(f"note: train.ttt_length={args.ttt_length} is below the largest K={max(args.ks)}")
 
@@ -569,6 +676,8 @@ def main() -> None:
         steps, args.draft_commands = data_steps(args), draft_commands(args)  # every command checked up front
         stages = Stages(args.out, args.dry_run)
         make_data(args, stages, steps)
+        if args.counter == "vllm":
+            target_alone(args, stages)
         train_all(args, stages)
         if args.vllm_python:
             for lever, trainer, seed in runs(args):

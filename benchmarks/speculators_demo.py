@@ -23,7 +23,11 @@ y / norm.weight has unit RMS, so the target's norm maps it back to y (exactly up
 CPU patches (runtime only, no change to the algorithm), applied in `_patch_for_cpu`:
   1. `Trainer.device_type`: speculators falls back to "cuda" when no accelerator exists -> "cpu" (autocast, moves);
   2. `get_local_rank()` is used as the device of `.to(...)` -> "cpu";
-  3. `torch.accelerator.synchronize` (its step timer) is a no-op when there is no accelerator.
+  3. `torch.accelerator.synchronize` (its step timer) is a no-op when there is no accelerator;
+  4. on a CPU without native bfloat16 matmuls, `torch.optim.Muon` (speculators' optimizer) iterates Newton-Schulz in
+     float32 instead of emulated bfloat16, exactly as specgen's own Muon does there (specgen.draft.optim): the same
+     update up to bfloat16 rounding, 5-6x faster steps (docs/benchmarks/2026-11-26-cpu-muon.md), so both trainers'
+     wall times compare. Said on stdout when applied.
 The result is converted to specgen's checkpoint layout (`midlayer.*`, config with eagle_config) for evaluation.
 """
 
@@ -88,6 +92,15 @@ def _patch_for_cpu() -> None:
     synchronize = torch.accelerator.synchronize
     # patch 3: the step timer synchronizes the accelerator, which fails when there is none
     torch.accelerator.synchronize = lambda *a, **k: synchronize(*a, **k) if torch.accelerator.is_available() else None
+    from specgen.draft.optim import newton_schulz_dtype, orthogonalize
+
+    choice = newton_schulz_dtype("cpu")
+    if choice.name == "float32":  # patch 4
+        import torch.optim._muon as muon
+
+        muon._zeropower_via_newtonschulz = (lambda grad, coefficients, steps, eps:
+                                            orthogonalize(grad, coefficients, steps, eps, torch.float32))
+        print(f"speculators_demo: torch.optim.Muon's Newton-Schulz iteration in float32 ({choice.reason})", flush=True)
 
 
 def train(args: argparse.Namespace) -> Path:

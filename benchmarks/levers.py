@@ -577,6 +577,14 @@ def print_tables(args, stages: Stages, records: list[dict]) -> None:
                   f"{'equal to specgen' if v['outputs_equal'] else 'DIFFER'}")
 
 
+def evaluate_seconds(args, stages: Stages, name: str) -> float | None:
+    """Wall seconds counting a draft at every K: specgen's decoding, or (--counter vllm) vLLM's serving."""
+    if args.counter == "specgen":
+        return stages.seconds(f"evaluate-{name}")
+    served = [stages.seconds(f"count-{name}-k{k}") for k in args.ks]
+    return None if None in served else sum(served)
+
+
 def print_times(args, stages: Stages) -> None:
     """Wall seconds of each stage (from stages.json: earlier runs' stages too)."""
     def show(value) -> str:
@@ -589,7 +597,7 @@ def print_times(args, stages: Stages) -> None:
         regenerate = stages.seconds(f"regenerate-{lever}") if trainer.startswith("specgen") else None
         generate = stages.seconds(f"generate-{lever}") if trainer.startswith("specgen") else None
         train = " ".join(show(stages.seconds(f"train-{draft_name(lever, trainer, s)}")) for s in seeds)
-        evaluate = " ".join(show(stages.seconds(f"evaluate-{draft_name(lever, trainer, s)}")) for s in seeds)
+        evaluate = " ".join(show(evaluate_seconds(args, stages, draft_name(lever, trainer, s))) for s in seeds)
         print(f"{lever + ' ' + trainer:<29} {show(regenerate):>10} {show(generate):>8}  {train:<24} {evaluate}")
     if "mixed" in args.levers:
         print("mixed: regenerate is regenerated's and synthesized's; mixing took "

@@ -4,7 +4,8 @@ Same contract as `specgen.regen.engine.Generator`: `complete(prompts)` returns o
 token ids exactly as the engine generated them (never re-tokenised from text), cut at the first stop token. The
 sampling settings are exactly `Sampling` (the checkpoint's generation_config only names the stop tokens). Each
 request carries its own sampling seed drawn from torch's RNG, which `specgen.regenerate` seeds per part, so a
-part's text does not depend on batching or on the process that made it. vLLM is imported lazily.
+part's seeds do not depend on batching or on the process that made it (its text can, where vLLM's logits differ by
+float rounding between schedules and a near-flat distribution samples differently). vLLM is imported lazily.
 
 On vLLM's CPU build, sampled generation turns chunked prefill off (`CHUNKED_PREFILL_OFF`): when a prompt's prefill
 is split over steps, its worker rewinds the request's seeded generator (`set_offset`), which a CPU generator refuses

@@ -43,9 +43,10 @@ EVAL = {"num_draft_tokens": 4, "max_new_tokens": 96}
 
 def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: int = 96,
                samples_out: str | None = None, prompts: str | None = None, first_turns: bool = False,
-               max_prompts: int | None = None) -> dict:
+               max_prompts: int | None = None, device: str = "cpu") -> dict:
     """Speculative decoding of the held-out demo turns (or of `prompts`, any file specgen.evaluate reads, its first
-    `max_prompts`): {acceptance_length, rounds, accepted, turns, seconds}.
+    `max_prompts`): {acceptance_length, rounds, accepted, turns, seconds}, on `device` (float32 everywhere: a
+    CUDA device only speeds it up, at the cost of float rounding that can flip a near-tie between two tokens).
 
     Multi-turn prompts continue with the generated answer (the target's greedy output: speculative decoding is
     lossless, checked by specgen.evaluate and its tests); first_turns decodes each prompt's first turn only
@@ -65,9 +66,9 @@ def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: in
     start = time.perf_counter()
     info = specgen_info(read_raw_config(draft_path))  # any method's config.json (DFlash is not EAGLE-3's layout)
     target_path = info.get("target", {}).get("path") or str(ASSETS_DIR / "tiny-target")
-    model = load_target(target_path, dtype="float32", device="cpu", attn_implementation="sdpa")
+    model = load_target(target_path, dtype="float32", device=device, attn_implementation="sdpa")
     draft = load_draft(draft_path, embedding=model.get_input_embeddings().weight.detach().float(),
-                       target_config=model.config).eval()
+                       target_config=model.config).to(device).eval()
     # The draft's config holds serving ids (vLLM's reading, aux + 1); aux_layers_of turns them back into the
     # 0-based layer outputs the draft was trained on, exactly as specgen.evaluate does.
     target = TargetRunner(model, aux_layers_of(draft.config))

@@ -5,7 +5,7 @@
         [--seeds 0 1 2] [--jobs 1]
         [--methods eagle3 eagle3.1 p-eagle dflash] [--ks 3 5 7] [--ttt-length T] [--steps N] [--set KEY=VALUE ...]
         [--speculators PYTHON [--speculators-seeds S ...]]
-        [--eval-prompts FILE] [--max-prompts N] [--max-new-tokens 64]
+        [--eval-prompts FILE] [--max-prompts N] [--max-new-tokens 64] [--eval-device cpu]
         [--vllm-python PYTHON [--vllm-seeds 0] [--counter vllm [--check-prompts 8]]] [--dry-run]
 
 M is the target's model folder and P its prompt mix; for SmolLM2-135M-Instruct (recipe=smollm2-135m) both come
@@ -26,10 +26,12 @@ train config's packing budget, draft vocabulary, epochs, lr, TTT length and --st
 
 Every draft then decodes the first turns of --eval-prompts (MT-Bench's 80 by default; the first --max-prompts)
 greedily, a chain of K draft tokens a round for each K in --ks (draft_quality.acceptance: specgen's speculative
-decoding on the CPU, one thread, float32). Acceptance length = 1 + accepted draft tokens / verification rounds,
-pooled over the prompts (vLLM's counting). --vllm-python also serves the drafts of --vllm-seeds on the same
-prompts in vLLM's CPU build (served_acceptance.replay) and says whether vLLM's counters (drafts, accepted tokens)
-and output tokens equal specgen's.
+decoding on the CPU, one thread, float32; --eval-device cuda on a GPU machine, though decoding one sequence at a
+time is bound by Python there too: 80 prompts took ~220 s per K and draft on an H100 beside 11 other jobs).
+Acceptance length = 1 + accepted draft tokens / verification rounds, pooled over the prompts (vLLM's counting).
+--vllm-python also serves the drafts of --vllm-seeds on the same prompts in vLLM's CPU build
+(served_acceptance.replay) and says whether vLLM's counters (drafts, accepted tokens) and output tokens equal
+specgen's.
 
 --counter vllm makes vLLM the counter of the table: every draft is served on every prompt at each K
 (eval/NAME/served-kK.json), vLLM batching up to 8 sequences where specgen decodes one at a time (65 tokens/s for
@@ -98,9 +100,9 @@ class Stages:
         self.record = json.loads(self.path.read_text()) if self.path.exists() else {}
         self.lock = threading.Lock()
 
-    def run(self, name: str, done, command: list[str] | None = None, call=None, shown: str = "") -> bool:
+    def run(self, name: str, done, command: list[str] | None = None, call=None, shown: str = "", made=None) -> bool:
         """Run `command` (or `call(log)`, described by `shown`) unless `done()` says its output is complete;
-        whether it ran."""
+        whether it ran. After it ran, `made()` (default: `done()`) must say its output is there."""
         shown = shown or " ".join(map(str, command))
         if done():
             earlier = self.record.get(name, {}).get("command")
@@ -120,6 +122,8 @@ class Stages:
                 raise Failed(f"{name} failed (exit {code}): {last_line(log)} [log: {log}; command: {shown}]")
         else:
             call(log)
+        if not (made or done)():  # a stage stopped by a signal can exit 0 (speculators_demo.py did) without output
+            raise Failed(f"{name} ended without its output (stopped?): {last_line(log)} [log: {log}]")
         seconds = time.perf_counter() - start
         say(f"       {name}: {seconds:.0f} s")
         with self.lock:
@@ -318,8 +322,9 @@ def specgen_prompts(args) -> int | None:
 
 
 def eval_settings(args) -> dict:
+    device = {} if args.eval_device == "cpu" else {"device": args.eval_device}  # (CPU results predate the key)
     return {"prompts": str(Path(args.eval_prompts).resolve()), "max_prompts": specgen_prompts(args),
-            "max_new_tokens": args.max_new_tokens, "turns": "first"}
+            "max_new_tokens": args.max_new_tokens, "turns": "first", **device}
 
 
 def served_settings(args) -> dict:
@@ -350,9 +355,10 @@ def train_and_evaluate(args, stages: Stages, lever: str, trainer: str, seed: int
         missing = list(args.ks) if trained else [k for k in args.ks if evaluated(args, name, k) is None]
         command = [sys.executable, __file__, "--evaluate", str(ckpt), "--out", str(args.out / "eval" / name),
                    "--ks", *map(str, missing or args.ks), "--eval-prompts", str(args.eval_prompts),
-                   "--max-new-tokens", str(args.max_new_tokens),
+                   "--max-new-tokens", str(args.max_new_tokens), "--eval-device", args.eval_device,
                    *(["--max-prompts", str(specgen_prompts(args))] if specgen_prompts(args) else [])]
-        stages.run(f"evaluate-{name}", lambda: not missing, command)
+        stages.run(f"evaluate-{name}", lambda: not missing, command,
+                   made=lambda: all(evaluated(args, name, k) is not None for k in missing or args.ks))
     if args.counter == "vllm":
         count(args, stages, name, ckpt, fresh=trained)
     if not args.dry_run:
@@ -380,7 +386,7 @@ def evaluate_here(args) -> None:
         (args.out / f"vllm-k{k}.json").unlink(missing_ok=True)  # served on turns about to be replaced
         result = acceptance(args.evaluate, num_draft_tokens=k, max_new_tokens=args.max_new_tokens,
                             samples_out=str(args.out / f"turns-k{k}.jsonl"), prompts=str(args.eval_prompts),
-                            first_turns=True, max_prompts=args.max_prompts)
+                            first_turns=True, max_prompts=args.max_prompts, device=args.eval_device)
         write_atomic(args.out / f"k{k}.json", json.dumps({**result, "k": k, "settings": eval_settings(args)}))
         print(f"K={k}: acceptance {result['acceptance_length']:.3f} ({result['seconds']:.0f} s)", flush=True)
 
@@ -633,6 +639,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-prompts", type=Path, default=MT_BENCH)
     parser.add_argument("--max-prompts", type=int, help="evaluate on the first N prompts only")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--eval-device", default="cpu",
+                        help="where specgen's decoding counts acceptance (float32): cpu, or cuda on a GPU machine")
     parser.add_argument("--vllm-python", help="vLLM's venv python: also serve the drafts in vLLM")
     parser.add_argument("--vllm-seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--counter", choices=("specgen", "vllm"), default="specgen",

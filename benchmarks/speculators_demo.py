@@ -20,7 +20,8 @@ Data conversion: speculators reads a `datasets` folder (input_ids, loss_mask, se
 norm, which it normalises itself with the target's norm). specgen stores the last state after the final norm, y;
 y / norm.weight has unit RMS, so the target's norm maps it back to y (exactly up to RMSNorm's eps).
 
-CPU patches (runtime only, no change to the algorithm), applied in `_patch_for_cpu`:
+CPU patches (runtime only, no change to the algorithm), applied in `_patch_for_cpu` where torch finds no
+accelerator (on a GPU speculators runs unpatched, with its own device handling and precision):
   1. `Trainer.device_type`: speculators falls back to "cuda" when no accelerator exists -> "cpu" (autocast, moves);
   2. `get_local_rank()` is used as the device of `.to(...)` -> "cpu";
   3. `torch.accelerator.synchronize` (its step timer) is a no-op when there is no accelerator;
@@ -78,9 +79,13 @@ def convert_shards(shards: Path, out: Path, target: Path, draft_vocab_size: int)
 
 
 def _patch_for_cpu() -> None:
-    """The CPU patches named in the module docstring."""
+    """The CPU patches named in the module docstring; none where torch finds an accelerator (speculators then runs
+    as it does on its own GPUs)."""
     import speculators.train.trainer as trainer_module
 
+    if torch.accelerator.is_available():
+        print(f"speculators_demo: training on {torch.accelerator.current_accelerator()}, no CPU patches", flush=True)
+        return
     setup_model = trainer_module.Trainer.setup_model
 
     def setup_model_on_cpu(self, *args, **kwargs):
@@ -89,9 +94,8 @@ def _patch_for_cpu() -> None:
 
     trainer_module.Trainer.setup_model = setup_model_on_cpu
     trainer_module.get_local_rank = lambda: "cpu"  # patch 2: the rank doubles as the device of .to(...)
-    synchronize = torch.accelerator.synchronize
     # patch 3: the step timer synchronizes the accelerator, which fails when there is none
-    torch.accelerator.synchronize = lambda *a, **k: synchronize(*a, **k) if torch.accelerator.is_available() else None
+    torch.accelerator.synchronize = lambda *a, **k: None
     from specgen.draft.optim import newton_schulz_dtype, orthogonalize
 
     choice = newton_schulz_dtype("cpu")

@@ -170,6 +170,7 @@ KEYS: dict[str, Key] = {
     "train.eval_every": _k("int", min=0),
     "train.eval_prompts": _k("str", null=True),
     "train.eval_max_prompts": _k("int", min=POSITIVE),
+    "train.heldout_samples": _k("int", min=0),
     # evaluate: speculative decoding on prompts
     "evaluate.num_draft_tokens": _k("int", min=POSITIVE),
     "evaluate.max_new_tokens": _k("int", min=POSITIVE),

@@ -17,8 +17,10 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -50,7 +52,7 @@ from specgen.draft.model import Eagle3Draft, aux_layers_of
 from specgen.draft.offline import OfflineBatches
 from specgen.draft.online import OnlineBatches, tokenize_source
 from specgen.draft.optim import build_optimizer, describe
-from specgen.draft.probe import AcceptanceProbe
+from specgen.draft.probe import HELDOUT_SEED, AcceptanceProbe, HeldoutScore, heldout_split
 from specgen.draft.speculative import TargetRunner
 from specgen.draft.target_head import TargetHead, load_target_weights
 from specgen.draft.trainer import METRICS, DraftTrainer, LoopSettings, TrainerState, lr_schedule
@@ -93,6 +95,7 @@ class TrainingData:
     target_top_counts: dict[int, int] | None = None  # the target's top token at trainable positions (generate)
     target_model: transformers.PreTrainedModel | None = None  # the whole target, when loaded (online)
     target_dtype: str | None = None  # the dtype the whole target runs in and why, when loaded (online, probe)
+    heldout: Callable[[], list] | None = None  # the batches of the samples kept out of training (offline)
 
 
 MODES = ("offline", "online", "disaggregated")
@@ -102,11 +105,15 @@ def run(cfg: DictConfig) -> dict:
     if cfg.mode not in MODES:
         raise SpecgenError(f"mode={cfg.mode!r} is unknown; use mode=offline (data.shards), mode=online "
                            "(model.path + data.path) or mode=disaggregated (+ stream.dir, capture servers)")
-    if cfg.train.eval_every and cfg.train.eval_prompts is None:
-        raise SpecgenError(f"train.eval_every={cfg.train.eval_every} decodes held-out prompts: pass "
-                           "train.eval_prompts=FILE (MT-Bench style rows or conversations)")
-    if cfg.train.eval_every and not Path(cfg.train.eval_prompts).exists():
+    if cfg.train.eval_every and cfg.train.eval_prompts is None and not cfg.train.heldout_samples:
+        raise SpecgenError(f"train.eval_every={cfg.train.eval_every} scores held-out data: pass "
+                           "train.eval_prompts=FILE (decoded, MT-Bench style rows or conversations) and/or "
+                           "train.heldout_samples=N (samples of the shards kept out of training)")
+    if cfg.train.eval_every and cfg.train.eval_prompts is not None and not Path(cfg.train.eval_prompts).exists():
         raise SpecgenError(f"train.eval_prompts={cfg.train.eval_prompts}: no such file or folder")
+    if cfg.train.heldout_samples and cfg.mode != "offline":
+        raise SpecgenError(f"train.heldout_samples={cfg.train.heldout_samples} holds out samples of data.shards "
+                           f"(mode=offline); with mode={cfg.mode} use train.eval_prompts")
     if cfg.train.optimizer == "muon" and cfg.distributed.strategy == "deepspeed":
         raise SpecgenError("train.optimizer=muon needs whole matrices, which DeepSpeed's ZeRO partitions; use "
                            "distributed=ddp or train.optimizer=adamw")
@@ -187,7 +194,13 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
         lease.check()
         save_draft(draft, folder, {**info, "step": state.step, "epoch": state.epoch})
 
-    probe = acceptance_probe(cfg, data, device) if is_main and cfg.train.eval_every else None
+    probes = []
+    if is_main and cfg.train.eval_every and cfg.train.eval_prompts is not None:
+        decoding = acceptance_probe(cfg, data, device)
+        probes.append(lambda: decoding(draft))
+    if is_main and data.heldout is not None:
+        probes.append(HeldoutScore(objective, head, data.heldout, lambda stats: method.metrics(stats, train_cfg),
+                                   mask_shift=mask_shift, device=device, autocast_dtype=_autocast_dtype(cfg, device)))
     if cfg.train.tensorboard:
         accelerator.init_trackers("tensorboard")
     trainer = DraftTrainer(
@@ -200,7 +213,7 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
                               metrics=lambda stats: method.metrics(stats, train_cfg)),
         log_tracker=accelerator.log if cfg.train.tensorboard else None, progress=cfg.runtime.progress,
         vocab_source="checkpoint" if resume or cfg.draft.init else cfg.draft.vocab_source,
-        probe=(lambda: probe(draft)) if probe is not None else None)
+        probe=(lambda: {key: value for probe in probes for key, value in probe().items()}) if probes else None)
     if resume:
         trainer.resume(resume_from)
         weights_step = specgen_info(read_raw_config(resume_from)).get("step")
@@ -296,12 +309,19 @@ def offline_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> Trai
     else:
         counts = count_trained_tokens((dataset[i]["input_ids"].tolist(), dataset[i]["loss_mask"].tolist())
                                       for i in range(len(dataset)))
-    source = OfflineBatches(dataset, plan, num_workers=cfg.train.num_workers, pin_memory=device.type == "cuda")
+    trained, held = heldout_split(len(dataset), cfg.train.heldout_samples)
+    source = OfflineBatches(dataset, plan, num_workers=cfg.train.num_workers, pin_memory=device.type == "cuda",
+                            indices=trained)
+    heldout = None
+    if held:  # one process, in order: every call scores the same batches
+        scoring = replace(plan, seed=HELDOUT_SEED, rank=0, world_size=1)
+        heldout = partial(list, OfflineBatches(dataset, scoring, indices=held).epoch(0))
+    kept = f", {len(held)} held out (train.heldout_samples)" if held else ""
     return TrainingData(source=source, target_path=str(target_path), target_config_hash=recorded_hash,
                         aux_layers=list(manifest["capture"]["aux_layers"]), token_counts=counts,
                         embedding=weights.embedding, lm_head=weights.lm_head, target_config=weights.config,
-                        description=f"shards {Path(cfg.data.shards).resolve()} ({len(dataset)} samples)",
-                        target_top_counts=top_counts)
+                        description=f"shards {Path(cfg.data.shards).resolve()} ({len(dataset)} samples{kept})",
+                        target_top_counts=top_counts, heldout=heldout)
 
 
 def online_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> TrainingData:
@@ -526,6 +546,12 @@ def _print_summary(out_dir: Path, data: TrainingData, draft: Eagle3Draft, state:
                              "window; the rest have the target's top token outside the draft vocabulary)"),
         ("simulated acceptance", f"{metrics.get('accept_len_sim', float('nan')):.2f} (chain of "
                                  f"{sum(k.startswith('acc_') for k in metrics)} drafts, greedy, last logging window)"),
+        *([("held-out samples", f"loss {metrics['heldout_loss']:.4f}, accuracy per TTT step " + " ".join(
+            f"{metrics[k]:.2f}" for k in sorted((k for k in metrics if k.startswith("heldout_acc_")),
+                                                key=lambda k: int(k.rsplit("_", 1)[1]))) +
+            (f", simulated acceptance {metrics['heldout_accept_len_sim']:.2f}"
+             if "heldout_accept_len_sim" in metrics else "") + " (train.heldout_samples, last step; the lines "
+            "above are on training samples)")] if "heldout_loss" in metrics else []),
         *([("acceptance (decoded)", f"{metrics['accept_len']:.2f} = 1 + accepted / rounds over "
                                     f"{metrics['accept_rounds']} rounds of real speculative decoding on the "
                                     "train.eval_prompts, last step")] if "accept_len" in metrics else []),

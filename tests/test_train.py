@@ -396,7 +396,7 @@ def test_the_acceptance_probe_online_shares_the_target_in_the_loop(tmp_path):
 
 
 def test_the_acceptance_probe_needs_its_prompts_before_anything_loads(tmp_path):
-    with pytest.raises(SpecgenError, match="pass train.eval_prompts=FILE"):
+    with pytest.raises(SpecgenError, match="pass train.eval_prompts=FILE .* and/or train.heldout_samples=N"):
         train([f"output.dir={tmp_path / 'x'}", "train.eval_every=5"])
     with pytest.raises(SpecgenError, match="train.eval_prompts=.*no such file"):
         train([f"output.dir={tmp_path / 'y'}", "train.eval_every=5", f"train.eval_prompts={tmp_path / 'none'}"])
@@ -412,3 +412,76 @@ def test_the_summary_says_when_the_draft_vocabulary_is_smaller_than_asked(shards
     assert f"draft.vocab_size=8,192 asked, only {used:,} distinct tokens seen, so {used:,} used" in out
     dtype = newton_schulz_dtype("cpu").name  # the default optimizer says the dtype of its iteration and why
     assert re.search(rf"optimizer +muon on \d+ hidden matrices, Newton-Schulz in {dtype} \(.+\); adamw on \d+", out)
+
+
+def test_heldout_split_is_fixed_disjoint_and_kept_out_of_every_training_batch(shards):
+    from specgen.draft.batches import BatchPlan
+    from specgen.draft.offline import OfflineBatches
+    from specgen.draft.probe import heldout_split
+    from specgen.store.reader import open_shards
+
+    trained, held = heldout_split(ROWS, 4)
+    assert len(held) == 4 and sorted(trained + held) == list(range(ROWS)) and heldout_split(ROWS, 4) == (trained, held)
+    assert heldout_split(ROWS, 0) == (list(range(ROWS)), [])
+    with pytest.raises(SpecgenError, match="leaves nothing to train"):
+        heldout_split(ROWS, ROWS)
+    dataset = open_shards(shards)
+    for rank in range(2):  # each process's batches, over epochs: the training samples only, each once an epoch
+        source = OfflineBatches(dataset, BatchPlan(batch_tokens=256, max_batch_size=None, seed=3, rank=rank,
+                                                   world_size=2), indices=trained)
+        for epoch in range(2):
+            seen = [i for batch in source.plan.epoch(source.lengths, epoch) for i in batch]
+            assert all(source.indices[i] in trained for i in seen)
+    batches = list(OfflineBatches(dataset, BatchPlan(batch_tokens=10_000, max_batch_size=None, seed=0),
+                                  indices=held).epoch(0))
+    assert sum(len(batch.lengths) for batch in batches) == 4
+    assert sorted(int(n) for batch in batches for n in batch.lengths) == sorted(dataset.lengths()[i] for i in held)
+
+
+def test_heldout_samples_are_scored_like_a_training_step_at_eval_every_and_the_last_step(shards, tmp_path, capsys):
+    """train.heldout_samples=4: the draft trains on the other samples; heldout_* metrics at steps 20 and 30 (the last)
+    and in the summary; heldout_acc_0 at the last step equals step 0's accuracy worked out by hand from the saved
+    draft on those 4 samples (draft argmax == target argmax where the predicted token is trained)."""
+    from specgen.draft.model import DraftKV
+    from specgen.draft.probe import heldout_split
+    from specgen.draft.target_head import load_target_weights
+    from specgen.store.reader import open_shards
+
+    ckpt = tmp_path / "ckpt"
+    train([f"data.shards={shards}", f"output.dir={ckpt}", "train.max_steps=30", "train.log_every=15",
+           "train.heldout_samples=4", "train.eval_every=20", "train.lr=5e-3"])
+    lines = metrics(ckpt)
+    assert [line["step"] for line in lines] == [15, 20, 30]
+    assert [("heldout_acc_0" in line) for line in lines] == [False, True, True]
+    assert "4 held out" in capsys.readouterr().out
+
+    dataset, (_, held) = open_shards(shards), heldout_split(ROWS, 4)
+    draft = load_draft(str(ckpt), embedding=load_target_weights(str(json.loads(
+        (shards / "manifest.json").read_text())["model"]["path"])).embedding.float()).eval()
+    lm_head = load_target_weights(json.loads((shards / "manifest.json").read_text())["model"]["path"]).lm_head
+    hits = scored = 0
+    with torch.no_grad():
+        for i in held:
+            row = dataset[i]
+            ids, mask = row["input_ids"][None], row["loss_mask"][None]
+            target_top = (row["last_hidden_state"].float() @ lm_head.float().T).argmax(-1)
+            shifted = torch.cat([ids[:, 1:], ids.new_zeros(1, 1)], dim=1)
+            hidden = draft(shifted, draft.project(row["aux_hidden_states"].float()[None]),
+                           torch.arange(ids.shape[1])[None], DraftKV(), extend_base=True)
+            guess = draft.to_target_ids(draft.logits(hidden).argmax(-1))[0]
+            for index in range(ids.shape[1] - 2):
+                if mask[0, index + 2]:
+                    scored += 1
+                    hits += int(guess[index] == target_top[index + 1])
+    assert hits > 0 and lines[-1]["heldout_trainable_positions"] == scored
+    # (one near-tie may fall the other way between a padded batch and a sample alone)
+    assert lines[-1]["heldout_acc_0"] == pytest.approx(hits / scored, abs=1 / scored + 1e-12)
+
+
+def test_heldout_samples_need_offline_shards_and_eval_every_accepts_them_alone(shards, tmp_path):
+    with pytest.raises(SpecgenError, match="train.heldout_samples=2 holds out samples of data.shards"):
+        train([f"output.dir={tmp_path / 'x'}", "mode=online", "train.heldout_samples=2"])
+    ckpt = tmp_path / "ckpt"
+    train([f"data.shards={shards}", f"output.dir={ckpt}", "train.max_steps=2", "train.heldout_samples=2",
+           "train.eval_every=1"])
+    assert all("heldout_loss" in line and "accept_len" not in line for line in metrics(ckpt))

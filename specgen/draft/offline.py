@@ -1,6 +1,6 @@
 """Offline batches: samples read from shards (`specgen.open_shards`), batched per the plan, loaded by a DataLoader."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import partial
 
 from torch.utils.data import DataLoader
@@ -12,13 +12,17 @@ from specgen.store.reader import ShardDataset
 
 
 class OfflineBatches:
-    """Batches of a shard dataset (padded or packed, per the plan). Worker processes re-open the memory maps
-    themselves, and die with the process that iterates the loader (parent-death signal), even by `kill -9`."""
+    """Batches of a shard dataset (padded or packed, per the plan), of the samples `indices` (default: all).
+    Worker processes re-open the memory maps themselves, and die with the process that iterates the loader
+    (parent-death signal), even by `kill -9`."""
 
-    def __init__(self, dataset: ShardDataset, plan: BatchPlan, *, num_workers: int = 0, pin_memory: bool = False):
+    def __init__(self, dataset: ShardDataset, plan: BatchPlan, *, num_workers: int = 0, pin_memory: bool = False,
+                 indices: Sequence[int] | None = None):
         self.dataset = dataset
         self.plan = plan
-        self.lengths = dataset.lengths()
+        lengths = dataset.lengths()
+        self.indices = list(range(len(lengths))) if indices is None else list(indices)
+        self.lengths = [lengths[i] for i in self.indices]
         self.num_workers = num_workers
         self.pin_memory = pin_memory
 
@@ -27,7 +31,7 @@ class OfflineBatches:
 
     def epoch(self, epoch: int, skip: int = 0) -> Iterable[DraftBatch]:
         """The batches of `epoch`, leaving out the first `skip` (already trained before a resume)."""
-        batches = self.plan.epoch(self.lengths, epoch)[skip:]
+        batches = [[self.indices[i] for i in batch] for batch in self.plan.epoch(self.lengths, epoch)[skip:]]
         if not batches:
             return []
         return DataLoader(self.dataset, batch_sampler=batches,

@@ -49,7 +49,7 @@ class LoopSettings:
     save_every: int | None  # None: save at the end only
     autocast_dtype: torch.dtype | None  # bf16 mixed precision on GPU, None for full precision
     mask_shift: int = 2  # step j at index i is scored where loss_mask[i + mask_shift + j] (specgen.draft.ttt)
-    eval_every: int = 0  # optimizer steps between acceptance probes (and at the last step); 0: none
+    eval_every: int = 0  # optimizer steps between probes (which also run at the last step); 0: the last step only
     keep_checkpoints: int = 2  # complete checkpoints kept in out_dir/checkpoints (the newest)
     metrics: Callable[[torch.Tensor], dict] | None = None  # the method's metrics of summed stats; None: TTT's
 
@@ -99,8 +99,9 @@ class _Window:
 class DraftTrainer:
     """Runs the loop. `save_draft(state, folder)` writes the draft (main process only), `strategy.save` the optimizer
     (into a step-numbered checkpoint under out_dir/checkpoints, committed atomically: `Checkpoints`);
-    `probe()` (main process only, every `settings.eval_every` steps) returns metrics of the live draft, such as
-    `specgen.draft.probe.AcceptanceProbe`'s, merged into that step's metrics line."""
+    `probe()` (main process only, every `settings.eval_every` steps and at the last) returns metrics of the live
+    draft, such as `specgen.draft.probe.AcceptanceProbe`'s or `HeldoutScore`'s, merged into that step's metrics
+    line."""
 
     def __init__(self, *, strategy: Strategy, head: TargetHead, source: BatchSource, settings: LoopSettings,
                  out_dir: Path, save_draft: Callable[[TrainerState, Path], None], is_main: bool,
@@ -150,8 +151,8 @@ class DraftTrainer:
                 bar.update(1)
                 saving = bool(settings.save_every) and state.step % settings.save_every == 0
                 # Decided from settings alone, so every process logs (an all-reduce) at the same steps.
-                probing = bool(settings.eval_every) and (state.step % settings.eval_every == 0
-                                                         or state.step == settings.total_steps)
+                probing = state.step == settings.total_steps or (bool(settings.eval_every)
+                                                                 and state.step % settings.eval_every == 0)
                 # A checkpoint always follows a log line, so the saved token count includes every trained batch.
                 if saving or probing or state.step % settings.log_every == 0 or state.step == settings.total_steps:
                     last_metrics = self._log(window, probing=probing)

@@ -316,7 +316,7 @@ def offline_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> Trai
     if held:  # one process, in order: every call scores the same batches
         scoring = replace(plan, seed=HELDOUT_SEED, rank=0, world_size=1)
         heldout = partial(list, OfflineBatches(dataset, scoring, indices=held).epoch(0))
-    kept = f", {len(held)} held out (train.heldout_samples)" if held else ""
+    kept = f", {len(held)} held out by train.heldout_samples" if held else ""
     return TrainingData(source=source, target_path=str(target_path), target_config_hash=recorded_hash,
                         aux_layers=list(manifest["capture"]["aux_layers"]), token_counts=counts,
                         embedding=weights.embedding, lm_head=weights.lm_head, target_config=weights.config,

@@ -41,6 +41,26 @@ SPECULATORS_REFERENCE = 2.73  # speculators 0.9, norm_before_residual=False, see
 EVAL = {"num_draft_tokens": 4, "max_new_tokens": 96}
 
 
+def load_pair(draft_path: str, device: str = "cpu"):
+    """(target model, draft, TargetRunner over the draft's aux layers, tokenizer), float32 on `device`; the target
+    is the draft config's `specgen.target.path` (the bundled tiny target when it names none)."""
+    from specgen.assets import ASSETS_DIR
+    from specgen.capture.target import load_target
+    from specgen.draft.checkpoint import load_draft, read_raw_config, specgen_info
+    from specgen.draft.model import aux_layers_of
+    from specgen.draft.speculative import TargetRunner
+    from specgen.runtime import load_tokenizer
+
+    info = specgen_info(read_raw_config(draft_path))  # any method's config.json (DFlash is not EAGLE-3's layout)
+    target_path = info.get("target", {}).get("path") or str(ASSETS_DIR / "tiny-target")
+    model = load_target(target_path, dtype="float32", device=device, attn_implementation="sdpa")
+    draft = load_draft(draft_path, embedding=model.get_input_embeddings().weight.detach().float(),
+                       target_config=model.config).to(device).eval()
+    # The draft's config holds serving ids (vLLM's reading, aux + 1); aux_layers_of turns them back into the
+    # 0-based layer outputs the draft was trained on, exactly as specgen.evaluate does.
+    return model, draft, TargetRunner(model, aux_layers_of(draft.config)), load_tokenizer(target_path)
+
+
 def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: int = 96,
                samples_out: str | None = None, prompts: str | None = None, first_turns: bool = False,
                max_prompts: int | None = None, device: str = "cpu") -> dict:
@@ -55,24 +75,13 @@ def acceptance(draft_path: str, *, num_draft_tokens: int = 4, max_new_tokens: in
     import torch
 
     from specgen.assets import ASSETS_DIR
-    from specgen.capture.target import load_target
     from specgen.data.prompts import chat_prompt_ids, read_prompts
-    from specgen.draft.checkpoint import load_draft, read_raw_config, specgen_info
-    from specgen.draft.model import aux_layers_of
-    from specgen.draft.speculative import TargetRunner, speculative_generate
-    from specgen.runtime import load_tokenizer, stop_token_ids
+    from specgen.draft.speculative import speculative_generate
+    from specgen.runtime import stop_token_ids
 
     torch.set_num_threads(1)
     start = time.perf_counter()
-    info = specgen_info(read_raw_config(draft_path))  # any method's config.json (DFlash is not EAGLE-3's layout)
-    target_path = info.get("target", {}).get("path") or str(ASSETS_DIR / "tiny-target")
-    model = load_target(target_path, dtype="float32", device=device, attn_implementation="sdpa")
-    draft = load_draft(draft_path, embedding=model.get_input_embeddings().weight.detach().float(),
-                       target_config=model.config).to(device).eval()
-    # The draft's config holds serving ids (vLLM's reading, aux + 1); aux_layers_of turns them back into the
-    # 0-based layer outputs the draft was trained on, exactly as specgen.evaluate does.
-    target = TargetRunner(model, aux_layers_of(draft.config))
-    tokenizer = load_tokenizer(target_path)
+    model, draft, target, tokenizer = load_pair(draft_path, device)
     eos_ids = set(stop_token_ids(model, tokenizer))  # the turn-ending tokens specgen.evaluate stops at
     rounds = accepted = turns = 0
     samples = []

@@ -24,14 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # this checkout's specgen, before an installed one
-from draft_quality import acceptance  # noqa: E402
+from draft_quality import acceptance, load_pair  # noqa: E402
 
-from specgen.capture.target import load_target  # noqa: E402
 from specgen.data.prompts import chat_prompt_ids  # noqa: E402
-from specgen.draft.checkpoint import load_draft, read_raw_config, specgen_info  # noqa: E402
-from specgen.draft.model import DraftKV, aux_layers_of  # noqa: E402
-from specgen.draft.speculative import TargetRunner  # noqa: E402
-from specgen.runtime import load_tokenizer  # noqa: E402
+from specgen.draft.model import DraftKV  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 
@@ -55,12 +51,7 @@ class TeacherForced:
     """The draft's chain over a whole token sequence at once (TTT's unroll), against the target's top tokens."""
 
     def __init__(self, draft_path: str, steps: int):
-        target_path = specgen_info(read_raw_config(draft_path))["target"]["path"]
-        self.model = load_target(target_path, dtype="float32", device="cpu", attn_implementation="sdpa")
-        self.draft = load_draft(draft_path, embedding=self.model.get_input_embeddings().weight.detach().float(),
-                                target_config=self.model.config).eval()
-        self.runner = TargetRunner(self.model, aux_layers_of(self.draft.config))
-        self.tokenizer = load_tokenizer(target_path)
+        self.model, self.draft, self.runner, self.tokenizer = load_pair(draft_path)
         self.steps = steps
 
     @torch.no_grad()

@@ -456,9 +456,9 @@ def test_heldout_samples_are_scored_like_a_training_step_at_eval_every_and_the_l
     assert "4 held out" in capsys.readouterr().out
 
     dataset, (_, held) = open_shards(shards), heldout_split(ROWS, 4)
-    draft = load_draft(str(ckpt), embedding=load_target_weights(str(json.loads(
-        (shards / "manifest.json").read_text())["model"]["path"])).embedding.float()).eval()
-    lm_head = load_target_weights(json.loads((shards / "manifest.json").read_text())["model"]["path"]).lm_head
+    weights = load_target_weights(json.loads((shards / "manifest.json").read_text())["model"]["path"])
+    draft = load_draft(str(ckpt), embedding=weights.embedding.float()).eval()
+    lm_head = weights.lm_head
     hits = scored = 0
     with torch.no_grad():
         for i in held:

@@ -11,7 +11,6 @@ run are comparable, and the figure of the last call equals `specgen.evaluate`'s 
 
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 
 import torch
 
@@ -19,7 +18,7 @@ from specgen.data.prompts import Prompt, chat_prompt_ids
 from specgen.draft.model import Eagle3Draft
 from specgen.draft.speculative import TargetRunner, speculative_generate
 from specgen.draft.target_head import TargetHead
-from specgen.draft.ttt import batch_target
+from specgen.draft.trainer import forward_batch
 from specgen.errors import SpecgenError
 
 HELDOUT_SEED = 0  # the held-out samples do not depend on runtime.seed, so every seed of a run scores the same ones
@@ -68,9 +67,10 @@ class AcceptanceProbe:
 
 
 class HeldoutScore:
-    """`score()` -> the method's training metrics (loss, acc_j, accept_len_sim, ...) of the live draft on samples
-    kept out of training, each key prefixed `heldout_`: the same objective and target distributions as a training
-    step, without gradients, on the unwrapped objective (main process only, as the acceptance probe).
+    """Called with no argument: the method's training metrics (loss, acc_j, accept_len_sim, ...) of the live draft
+    on samples kept out of training, each key prefixed `heldout_`. The same objective, target distributions and
+    autocast as a training step (`specgen.draft.trainer.forward_batch`), without gradients, on the unwrapped
+    objective (main process only, as the acceptance probe).
 
     The training metrics are in-sample: after a few epochs over a small corpus a draft can score much higher there
     than on anything else (SmolLM2-135M, 999 samples, 4 epochs: step-0 accuracy 0.63 on its training samples,
@@ -87,15 +87,10 @@ class HeldoutScore:
         training = self.objective.training
         self.objective.eval()
         total = None
-        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
-                    if self.autocast_dtype is not None else nullcontext())
         try:
             for batch in self.batches():
-                batch = batch.to(self.device)
-                target = batch_target(self.head, batch, self.mask_shift)
-                with autocast:
-                    _, stats = self.objective(batch.input_ids, batch.loss_mask, batch.aux_hidden_states,
-                                              target.probs, target.argmax, batch.position_ids, batch.document_ids)
+                _, stats = forward_batch(self.objective, self.head, batch, device=self.device,
+                                         mask_shift=self.mask_shift, autocast_dtype=self.autocast_dtype)
                 total = stats.detach() if total is None else total + stats.detach()
         finally:
             self.objective.train(training)

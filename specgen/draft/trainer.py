@@ -175,14 +175,9 @@ class DraftTrainer:
     def train_batch(self, batch: DraftBatch, boundary: bool = True) -> torch.Tensor:
         """One micro-step: target distribution, TTT forward and backward; an optimizer update at a `boundary`
         (the end of a gradient accumulation). Returns the step statistics (see `specgen.draft.ttt`)."""
-        batch = batch.to(self.strategy.device)
-        target = batch_target(self.head, batch, self.settings.mask_shift)
-        autocast = (torch.autocast(self.strategy.device.type, dtype=self.settings.autocast_dtype)
-                    if self.settings.autocast_dtype is not None else nullcontext())
-        with autocast:
-            loss, stats = self.strategy.forward(batch.input_ids, batch.loss_mask, batch.aux_hidden_states,
-                                               target.probs, target.argmax, batch.position_ids,
-                                               batch.document_ids, sync=boundary)
+        loss, stats = forward_batch(self.strategy.forward, self.head, batch, device=self.strategy.device,
+                                    mask_shift=self.settings.mask_shift,
+                                    autocast_dtype=self.settings.autocast_dtype, sync=boundary)
         self.strategy.backward(loss)
         self.strategy.update(boundary=boundary)
         return stats.detach()
@@ -253,6 +248,20 @@ class DraftTrainer:
         if self.is_main:
             self.state.save(folder / TRAINING_STATE)
             self.checkpoints.commit(self.state.step)
+
+
+def forward_batch(forward: Callable, head: TargetHead, batch: DraftBatch, *, device: torch.device,
+                  mask_shift: int, autocast_dtype: torch.dtype | None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch through a method's objective: moved to `device`, the target distributions its scored positions
+    need, then `forward(input_ids, loss_mask, aux_hidden_states, target_probs, target_argmax, position_ids,
+    document_ids, **kwargs)` under autocast when `autocast_dtype` is set -> (loss, stats). The training step and
+    `specgen.draft.probe.HeldoutScore` share it, so held-out samples are scored exactly as a batch is trained."""
+    batch = batch.to(device)
+    target = batch_target(head, batch, mask_shift)
+    autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+    with autocast:
+        return forward(batch.input_ids, batch.loss_mask, batch.aux_hidden_states, target.probs, target.argmax,
+                       batch.position_ids, batch.document_ids, **kwargs)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -52,7 +52,8 @@ stage's output), stages.json (each stage's command and wall seconds) and results
 trainer, seed and K; rewritten as evaluations finish). Re-running the same command skips every finished stage
 (regenerate or generate output with its manifest.json, a draft folder with config.json + model.safetensors, an
 evaluation at the same K on the same prompts), so a killed run goes on where it stopped (specgen's regenerate and
-generate also resume their own unfinished parts). --dry-run prints every command and what is already done.
+generate also resume their own unfinished parts). A failed stage stops the drafts not yet started; the tables then
+show what finished, and the run exits non-zero. --dry-run prints every command and what is already done.
 
 Cost on the shared 2-core CPU (SmolLM2-135M, float32; measured 2026-11-26): regeneration with vLLM's engine
 (--regenerate-python) 765 s for 200 rows at the recipe's 256 new tokens a turn (56 new tokens/s); capture ~430
@@ -680,6 +681,7 @@ def main() -> None:
         return evaluate_here(args)
     from specgen.errors import SpecgenError
 
+    stages = None
     try:
         check(args)
         args.model, args.prompts = args.model.resolve(), args.prompts.resolve()
@@ -700,10 +702,16 @@ def main() -> None:
                 if seed in args.vllm_seeds:
                     serve(args, stages, lever, trainer, seed)
     except (Failed, SpecgenError) as error:
-        raise SystemExit(f"levers: {error}") from None
+        if stages is None or args.dry_run:
+            raise SystemExit(f"levers: {error}") from None
+        failure = error  # what did finish is still reported, then the run fails
+    else:
+        failure = None
     if not args.dry_run:
         write_results(args, stages)
         print_tables(args, stages, collect(args, stages))
+    if failure is not None:
+        raise SystemExit(f"levers: {failure} (the tables above hold what finished; the same command goes on)")
 
 
 if __name__ == "__main__":

@@ -117,6 +117,10 @@ def run(cfg: DictConfig) -> dict:
     if cfg.train.optimizer == "muon" and cfg.distributed.strategy == "deepspeed":
         raise SpecgenError("train.optimizer=muon needs whole matrices, which DeepSpeed's ZeRO partitions; use "
                            "distributed=ddp or train.optimizer=adamw")
+    zero_stage = ((cfg.distributed.get("deepspeed") or {}).get("zero_optimization") or {}).get("stage", 0)
+    if cfg.distributed.strategy == "deepspeed" and zero_stage == 3:
+        raise SpecgenError("distributed.deepspeed.zero_optimization.stage=3 partitions the draft's weights, which "
+                           "specgen saves, probes and exports whole; use stage 1 or 2 (distributed=zero2)")
     set_threads(cfg.runtime.threads)
     accelerator = _accelerator(cfg)
     is_main = accelerator.is_main_process
@@ -304,12 +308,15 @@ def offline_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> Trai
     counts_path = Path(cfg.data.shards) / TOKEN_COUNTS
     top_path = Path(cfg.data.shards) / TARGET_TOKEN_COUNTS
     top_counts = read_token_counts(top_path)[0] if top_path.exists() else None
-    if counts_path.exists():
-        counts, _ = read_token_counts(counts_path)
-    else:
-        counts = count_trained_tokens((dataset[i]["input_ids"].tolist(), dataset[i]["loss_mask"].tolist())
-                                      for i in range(len(dataset)))
     trained, held = heldout_split(len(dataset), cfg.train.heldout_samples)
+    if counts_path.exists() and not held:
+        counts, _ = read_token_counts(counts_path)
+    else:  # held-out samples must not choose the draft vocabulary: count the trained ones only
+        counts = count_trained_tokens((dataset[i]["input_ids"].tolist(), dataset[i]["loss_mask"].tolist())
+                                      for i in trained)
+    if held and top_counts is not None and cfg.draft.vocab_source == "target":
+        log.warning("draft.vocab_source=target: %s counts the target's top tokens over all %d samples, the %d held "
+                    "out by train.heldout_samples included", TARGET_TOKEN_COUNTS, len(dataset), len(held))
     source = OfflineBatches(dataset, plan, num_workers=cfg.train.num_workers, pin_memory=device.type == "cuda",
                             indices=trained)
     heldout = None

@@ -276,6 +276,10 @@ def test_user_errors_are_one_line_messages(tmp_path):
         train(["mode=online", f"data.path={ASSETS_DIR / 'chat' / 'train.jsonl'}", f"output.dir={tmp_path / 'y'}"])
     with pytest.raises(SpecgenError, match="train.optimizer=muon needs whole matrices"):
         train(["train.optimizer=muon", "distributed=zero2", f"output.dir={tmp_path / 'z'}"])
+    with pytest.raises(SpecgenError, match="zero_optimization.stage=3 partitions the draft's weights"):
+        train(["train.optimizer=adamw", "distributed=zero2", "distributed.deepspeed.zero_optimization.stage=3",
+               f"output.dir={tmp_path / 'w'}"])
+    assert not (tmp_path / "w").exists()  # refused before the run touches output.dir
 
 
 @pytest.mark.parametrize("out_of_vocab", ["drop", "keep"])
@@ -439,12 +443,14 @@ def test_heldout_split_is_fixed_disjoint_and_kept_out_of_every_training_batch(sh
 
 
 def test_heldout_samples_are_scored_like_a_training_step_at_eval_every_and_the_last_step(shards, tmp_path, capsys):
-    """train.heldout_samples=4: the draft trains on the other samples; heldout_* metrics at steps 20 and 30 (the last)
-    and in the summary; heldout_acc_0 at the last step equals step 0's accuracy worked out by hand from the saved
-    draft on those 4 samples (draft argmax == target argmax where the predicted token is trained)."""
+    """train.heldout_samples=4: the draft trains on the other samples, and its vocabulary counts only theirs;
+    heldout_* metrics at steps 20 and 30 (the last) and in the summary; heldout_acc_0 at the last step equals step 0's
+    accuracy worked out by hand from the saved draft on those 4 samples (draft argmax == target argmax where the
+    predicted token is trained)."""
     from specgen.draft.model import DraftKV
     from specgen.draft.probe import heldout_split
     from specgen.draft.target_head import load_target_weights
+    from specgen.draft.vocab import VocabMapping, count_trained_tokens
     from specgen.store.reader import open_shards
 
     ckpt = tmp_path / "ckpt"
@@ -455,9 +461,16 @@ def test_heldout_samples_are_scored_like_a_training_step_at_eval_every_and_the_l
     assert [("heldout_acc_0" in line) for line in lines] == [False, True, True]
     assert "4 held out" in capsys.readouterr().out
 
-    dataset, (_, held) = open_shards(shards), heldout_split(ROWS, 4)
+    dataset, (trained, held) = open_shards(shards), heldout_split(ROWS, 4)
     weights = load_target_weights(json.loads((shards / "manifest.json").read_text())["model"]["path"])
     draft = load_draft(str(ckpt), embedding=weights.embedding.float()).eval()
+
+    # the draft vocabulary (every distinct trained token: draft.vocab_size is larger) comes from the trained samples
+    def counted(indices):
+        return set(count_trained_tokens((dataset[i]["input_ids"].tolist(), dataset[i]["loss_mask"].tolist())
+                                        for i in indices))
+    vocabulary = set(VocabMapping.from_d2t(draft.d2t, draft.config.vocab_size).draft_to_target.tolist())
+    assert vocabulary == counted(trained) != counted(range(ROWS))
     lm_head = weights.lm_head
     hits = scored = 0
     with torch.no_grad():

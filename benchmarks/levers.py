@@ -44,8 +44,9 @@ counted the same drafts and accepted tokens there.
 runtime.device=cuda to all three, train.precision=fp32 to train only, regenerate.max_new_tokens=48 to regenerate
 only; a key no stage has is an error. Every command is checked against specgen's schema before anything runs.
 
-Prints, per lever and trainer, acceptance mean ± std over seeds with each seed's value at every K, then the wall
-seconds of every stage. DIR keeps everything: data/{regenerated,synthesized}/ and data/mixed.jsonl, shards/LEVER/,
+Prints, per lever and trainer, acceptance mean ± std over seeds with each seed's value at every K (with --counter
+vllm also vLLM's tokens/s and the share of rounds accepting each draft position), then the wall seconds of every
+stage. DIR keeps everything: data/{regenerated,synthesized}/ and data/mixed.jsonl, shards/LEVER/,
 drafts/LEVER-TRAINER-seedS/, eval/LEVER-TRAINER-seedS/ (kK.json, turns-kK.jsonl, vllm-kK.json, served-kK.json),
 eval/turns.jsonl and eval/target.json (--counter vllm), logs/NAME.log (each
 stage's output), stages.json (each stage's command and wall seconds) and results.jsonl (one line per lever,
@@ -505,6 +506,7 @@ def collect(args, stages: Stages) -> list[dict]:
                           "rounds": served.get("num_drafts", 0), "accepted": served.get("num_accepted_tokens", 0),
                           "prompts": len(served["output_token_ids"]), "evaluate_seconds": served["generate_seconds"],
                           "tokens_per_second": served["output_tokens_per_second"],
+                          "accepted_per_position": served.get("num_accepted_tokens_per_pos"),
                           "lossless": alone is not None and served["output_token_ids"] == alone}
             elif result is not None:
                 record = {**base, "counter": "specgen", "acceptance_length": result["acceptance_length"],
@@ -569,6 +571,7 @@ def print_tables(args, stages: Stages, records: list[dict]) -> None:
         lossy = [f"{r['lever']}-{r['trainer']}-seed{r['seed']} K={r['k']}" for r in records if not r["lossless"]]
         print("lossless: " + (f"every served output equals the target alone's ({len(records)} runs)" if not lossy
                               else f"{len(lossy)} runs differ from the target alone: {', '.join(lossy)}"))
+    print_served(args, records)
     print_times(args, stages)
     served = [r for r in records if "vllm" in r]
     if served:
@@ -582,6 +585,23 @@ def print_tables(args, stages: Stages, records: list[dict]) -> None:
                   f"{v['specgen_acceptance_length']:>7.3f} {v['tokens_per_second']:>8.1f}  "
                   f"{'equal to specgen' if v['counts_equal'] else 'DIFFER':<27} "
                   f"{'equal to specgen' if v['outputs_equal'] else 'DIFFER'}")
+
+
+def print_served(args, records: list[dict]) -> None:
+    """--counter vllm: per lever, trainer and K, vLLM's generated tokens/s (mean over seeds) and the share of
+    verification rounds that accepted draft position 1, 2, ... (pooled over seeds)."""
+    served = [r for r in records if r["counter"] == "vllm" and r.get("accepted_per_position")]
+    if not served:
+        return
+    target = json.loads((args.out / "eval" / "target.json").read_text())
+    print(f"\nserved by vLLM (target alone: {target['output_tokens_per_second']:.1f} tokens/s; timed beside whatever "
+          "else ran): tokens/s mean over seeds, share of rounds accepting draft position 1, 2, ... pooled over seeds")
+    for lever, trainer, k in dict.fromkeys((r["lever"], r["trainer"], r["k"]) for r in served):
+        group = [r for r in served if (r["lever"], r["trainer"], r["k"]) == (lever, trainer, k)]
+        rounds = sum(r["rounds"] for r in group)
+        shares = [sum(column) / rounds for column in zip(*(r["accepted_per_position"] for r in group))]
+        print(f"{lever:<12} {trainer:<16} K={k:<2} {statistics.mean(r['tokens_per_second'] for r in group):>7.1f}  "
+              + " ".join(f"{share:.3f}" for share in shares))
 
 
 def evaluate_seconds(args, stages: Stages, name: str) -> float | None:

@@ -1,7 +1,7 @@
 """Data levers for EAGLE-3 draft training on a real target, several seeds each (issue #23's table).
 
     python benchmarks/levers.py --model M --prompts P.jsonl --out DIR [--recipe smollm2-135m]
-        [--levers original regenerated synthesized mixed] [--rows N] [--regenerate-python PYTHON]
+        [--levers original regenerated synthesized mixed all] [--rows N] [--regenerate-python PYTHON]
         [--seeds 0 1 2] [--jobs 1]
         [--methods eagle3 eagle3.1 p-eagle dflash] [--ks 3 5 7] [--ttt-length T] [--steps N] [--set KEY=VALUE ...]
         [--speculators PYTHON [--speculators-seeds S ...]]
@@ -16,7 +16,11 @@ from `python -m specgen.assets.smollm2 --out M` and `... --prompts P.jsonl`. Eve
                 vLLM's venv python, by vLLM's engine: 32 new tokens/s on 2 CPU cores for SmolLM2, ~10x the HF
                 engine there);
   synthesized   the user turns written by the target too (regenerate.user_turns=synthesize);
-  mixed         row i of regenerated when i is even, of synthesized when odd, as many rows as the smaller has.
+  mixed         row i of regenerated when i is even, of synthesized when odd, as many rows as the smaller has;
+  all           every row the pipeline makes from those prompts: original, regenerated and synthesized together
+                (generate's data.path=[P,REGENERATED,SYNTHESIZED], --rows of each; about 2.3x the tokens of the
+                original lever: the other levers compare data at equal prompts and size, this one what the same
+                prompts can give).
 Each lever's rows become shards (specgen.generate), on which every seed trains a draft (specgen.train,
 runtime.seed=S, train.ttt_length=T (default: the largest K), train.max_steps=--steps when given, one thread each,
 --jobs at once); --methods adds specgen's other draft methods (issue #24's axis: `draft.method=M`, named specgen-M
@@ -81,7 +85,8 @@ from common import SHARED  # noqa: E402
 from draft_quality import REPO, _python_env, acceptance, speculators_command, speculators_missing  # noqa: E402
 from served_acceptance import FLAGS, method_of, replay, write_turns  # noqa: E402
 
-LEVERS = ("original", "regenerated", "synthesized", "mixed")
+LEVERS = ("original", "regenerated", "synthesized", "mixed", "all")
+POOLED = {"mixed", "all"}  # levers built from the regenerated and the synthesized rows
 METHODS = ("eagle3", "eagle3.1", "p-eagle", "dflash")
 REGENERATED = {"regenerated": [], "synthesized": ["regenerate.user_turns=synthesize"]}
 STAGES = ("regenerate", "generate", "train")
@@ -197,10 +202,12 @@ def rows_override(args) -> list[str]:
     return [f"data.max_rows={args.rows}"] if args.rows else []
 
 
-def data_path(args, lever: str) -> Path:
-    """What generate reads for `lever`."""
+def data_path(args, lever: str) -> Path | list[Path]:
+    """What generate reads for `lever` (data.path)."""
     if lever == "original":
         return args.prompts
+    if lever == "all":
+        return [args.prompts, *(args.out / "data" / source for source in REGENERATED)]
     if lever == "mixed":
         return args.out / "data" / "mixed.jsonl"
     return args.out / "data" / lever
@@ -275,12 +282,13 @@ def mix(args, log: Path) -> None:
     log.write_text(f"{len(rows)} rows: {len(first)} regenerated, {len(second)} synthesized\n")
 
 
+
 def data_steps(args) -> list[dict]:
     """Stages.run's arguments, in order: regenerate (regenerated and synthesized, once each), mix, then generate
     every lever's shards."""
     steps = []
     sources = {lever for lever in args.levers if lever in REGENERATED}
-    if "mixed" in args.levers:
+    if POOLED & set(args.levers):
         sources |= set(REGENERATED)
     for lever in sorted(sources):
         folder = data_path(args, lever)
@@ -296,9 +304,11 @@ def data_steps(args) -> list[dict]:
                                "(odd)"})
     for lever in args.levers:
         shards = args.out / "shards" / lever
+        source = data_path(args, lever)
+        source = f"[{','.join(map(str, source))}]" if isinstance(source, list) else source
         steps.append({"name": f"generate-{lever}", "done": has_manifest(shards), "command": stage_command(
-            args, "generate", f"model.path={args.model}", f"data.path={data_path(args, lever)}",
-            f"output.dir={shards}", *rows_override(args))})
+            args, "generate", f"model.path={args.model}", f"data.path={source}", f"output.dir={shards}",
+            *rows_override(args))})
     return steps
 
 
@@ -629,6 +639,8 @@ def print_times(args, stages: Stages) -> None:
     if "mixed" in args.levers:
         print("mixed: regenerate is regenerated's and synthesized's; mixing took "
               f"{show(stages.seconds('mix'))} s")
+    if "all" in args.levers:
+        print("all: regenerate is regenerated's and synthesized's")
     served = [value for name, value in stages.record.items() if name.startswith("vllm-")]
     if served:
         print(f"vLLM serving: {len(served)} runs, {sum(v['seconds'] for v in served):.0f} s")

@@ -20,13 +20,14 @@ from specgen.errors import SpecgenError
 
 @dataclass(frozen=True)
 class Key:
-    """One configuration key: `kind` is int, float, bool, str, str|int, list or dict (free-form, not descended)."""
+    """One configuration key: `kind` is int, float, bool, str, str|int, str|list, list or dict (free-form, not
+    descended)."""
 
     kind: str
     nullable: bool = False
     choices: tuple = ()
     min: float | None = None
-    items: str | None = None  # list: the kind of every element
+    items: str | None = None  # list (or str|list given a list): the kind of every element
 
 
 def _k(kind: str, *, null: bool = False, choices: tuple = (), min: float | None = None,
@@ -44,7 +45,7 @@ KEYS: dict[str, Key] = {
     "model.dtype": _k("str", choices=DTYPES),
     "model.attn_implementation": _k("str", choices=("sdpa", "eager", "flash_attention_2")),
     "tokenizer.path": _k("str", null=True),
-    "data.path": _k("str", null=True),
+    "data.path": _k("str|list", null=True, items="str"),  # one source, or a list read one after another
     "data.split": _k("str"),
     "data.subset": _k("str", null=True),
     "data.shards": _k("str", null=True),
@@ -252,7 +253,7 @@ def _check_value(name: str, value, spec: Key) -> None:
     elif OmegaConf.is_config(value):
         value = OmegaConf.to_container(value, resolve=True)
     _check_kind(name, value, spec.kind)
-    if spec.items:
+    if spec.items and isinstance(value, list | tuple):
         for item in value:
             _check_kind(f"{name}[]", item, spec.items)
     if spec.choices and value not in spec.choices:
@@ -262,7 +263,8 @@ def _check_value(name: str, value, spec: Key) -> None:
         raise SpecgenError(f"{name}={value} must be >= {spec.min}")
 
 
-_KINDS = {"int": int, "float": (int, float), "bool": bool, "str": str, "str|int": (str, int), "list": (list, tuple),
+_KINDS = {"int": int, "float": (int, float), "bool": bool, "str": str, "str|int": (str, int),
+          "str|list": (str, list, tuple), "list": (list, tuple),
           "dict": dict}
 
 

@@ -33,6 +33,7 @@ from specgen.capture.layers import default_aux_layers, validate_aux_layers
 from specgen.capture.target import config_hash, load_target
 from specgen.config import stage_main, to_container
 from specgen.data.prompts import read_prompts
+from specgen.data.sources import describe_path
 from specgen.data.template import ChatTemplateTokenizer
 from specgen.draft.batches import BatchPlan
 from specgen.draft.checkpoint import (
@@ -347,7 +348,7 @@ def online_data(cfg: DictConfig, plan: BatchPlan, device: torch.device) -> Train
                         aux_layers=list(capture.aux_layers), token_counts=dict(counts),
                         embedding=model.get_input_embeddings().weight.detach(),
                         lm_head=capture.lm_head.weight.detach(), target_config=model.config,
-                        description=f"online {Path(cfg.data.path).resolve()} ({len(samples)} samples)",
+                        description=f"online {describe_path(cfg.data.path)} ({len(samples)} samples)",
                         target_model=model, target_dtype=str(dtype))
 
 
@@ -386,7 +387,7 @@ def stream_data(cfg: DictConfig, plan: BatchPlan, accelerator) -> TrainingData:
                         aux_layers=aux_layers, token_counts=dict(counts),
                         embedding=weights.embedding.to(dtype.torch_dtype),
                         lm_head=weights.lm_head.to(dtype.torch_dtype), target_config=weights.config,
-                        description=f"disaggregated {Path(cfg.data.path).resolve()} ({len(samples)} samples, "
+                        description=f"disaggregated {describe_path(cfg.data.path)} ({len(samples)} samples, "
                                     f"captured by servers on {spool.root})")
 
 

@@ -247,3 +247,36 @@ def test_generate_reads_a_hub_dataset_by_name(hub_cache, tmp_path):
                                         "data.split=train", "data.subset=default", f"output.dir={tmp_path / 'out'}",
                                         "runtime.progress=false"]))
     assert manifest["stats"]["samples"] == 5 and manifest["config"]["data"]["path"] == "myorg/chat"
+
+
+def test_a_list_of_sources_reads_as_one_with_continuing_indices(tmp_path):
+    from specgen.data.sources import capped_source
+
+    first, second = tmp_path / "a.jsonl", tmp_path / "b"
+    first.write_text("\n".join(json.dumps(row) for row in ROWS) + "\n")
+    second.mkdir()
+    (second / "part-0.jsonl").write_text(json.dumps({"id": "d"}) + "\n[1]\n" + json.dumps({"id": "e"}) + "\n")
+
+    result = list(iter_records([str(first), str(second)]))
+    assert [r.index for r in result] == [0, 1, 2, 3, 4, 5]
+    assert [r.record["id"] for r in result if r.record] == ["a", "b", "c", "d", "e"]
+    assert str(second) in result[4].error.message  # a row error names its source
+    assert count_records([first, second]) == 6
+
+    # data.max_rows caps each source: the first 2 rows of each (indices count the rows read), and the summary says so
+    capped = capped_source([str(first), str(second)], 2)
+    assert [(r.index, r.record and r.record["id"]) for r in capped.records] == [(0, "a"), (1, "b"), (2, "d"), (3, None)]
+    assert capped.expected_rows == 4
+    assert capped.describe(4) == "4 source rows read of 2 sources (stopped at data.max_rows=2 each; the sources have 6)"
+    assert capped_source([first, second], None).describe(6) == "6 source rows read of 2 sources (all of 6)"
+    # one source reads exactly as before
+    assert capped_source(first, 2).describe(2) == "2 source rows read (stopped at data.max_rows=2; the source has 3)"
+
+
+def test_a_list_with_a_wrong_path_or_no_path_fails_before_reading(tmp_path):
+    good = tmp_path / "a.jsonl"
+    good.write_text(json.dumps(ROWS[0]) + "\n")
+    with pytest.raises(SpecgenError, match="missing.jsonl"):
+        iter_records([str(good), str(tmp_path / "missing.jsonl")])
+    with pytest.raises(SpecgenError, match=r"data.path=\[\] names no source"):
+        iter_records([])

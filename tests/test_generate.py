@@ -353,3 +353,22 @@ def test_max_length_past_the_targets_positions_is_said(small_target, tmp_path, c
     assert "data.max_length=8192 is past the target's 4096 positions" in caplog.text
     assert "data.max_length=8,192 is past the target's 4,096 positions" in capsys.readouterr().out
     assert past["stats"]["tokens"] == within["stats"]["tokens"]  # these rows are short: nothing else changes
+
+
+def test_several_sources_in_data_path_are_one_dataset_capped_per_source(small_target, tmp_path):
+    """data.path=[a,b]: the rows of a then b, data.max_rows of each; the same as generating from a file holding
+    both."""
+    lines = BUNDLED_CHAT.read_text().splitlines()
+    first, second, both = tmp_path / "first.jsonl", tmp_path / "second.jsonl", tmp_path / "both.jsonl"
+    first.write_text("\n".join(lines[:5]) + "\n")
+    second.write_text("\n".join(lines[100:110]) + "\n")
+    both.write_text("\n".join(lines[:4] + lines[100:104]) + "\n")
+    manifest = generate(small_target, tmp_path / "listed", f"data.path=[{first},{second}]", "data.max_rows=4")
+    generate(small_target, tmp_path / "joined", f"data.path={both}", "data.max_rows=null")
+    listed, joined = load_rows(tmp_path / "listed"), load_rows(tmp_path / "joined")
+    assert manifest["stats"]["source_rows"] == 8
+    assert [r["sample_id"] for r in listed] == [r["sample_id"] for r in joined]
+    assert all(torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key]))
+               for a, b in zip(listed, joined) for key in ("input_ids", "loss_mask"))
+    with pytest.raises(SpecgenError, match=r"data.path\[\]=3 must be a str"):
+        compose("generate", [f"model.path={small_target}", "data.path=[a.jsonl,3]", f"output.dir={tmp_path / 'x'}"])

@@ -4,7 +4,8 @@ Supported sources: `.json` (a JSON array, or JSON lines saved as .json), `.jsonl
 written by `datasets.Dataset.save_to_disk` (memory-mapped), a folder of such files (read in name order as
 one source, e.g. the `part-*.jsonl` files `specgen.regenerate` writes), and a Hugging Face hub dataset named
 `org/name` that is not a local path (`datasets.load_dataset(name, subset, split=split, streaming=True)`: from the
-local cache when offline, HF_HUB_OFFLINE=1). Each row comes back as a
+local cache when offline, HF_HUB_OFFLINE=1). A list of such sources (`data.path=[a.jsonl,b/]`) is read one after
+another as one source. Each row comes back as a
 `SourceRecord`; a row that cannot be read (a line that is not JSON, a value that is not an object)
 carries a `RowError` instead of a record so the caller can reject that row and go on.
 """
@@ -38,13 +39,34 @@ class SourceRecord:
     error: RowError | None
 
 
-def iter_records(path: str | Path, *, chunk_size: int = 1 << 20, split: str = "train",
+def source_paths(path) -> list:
+    """data.path as a list of sources: one path, or each of a list's (Hydra's `data.path=[a,b]`)."""
+    if isinstance(path, str | Path):
+        return [path]
+    paths = list(path)
+    if not paths:
+        raise SpecgenError("data.path=[] names no source: give a file, a folder, org/name, or a list of them")
+    return paths
+
+
+def describe_path(path) -> str:
+    """A source for a summary line: the resolved path, or the resolved paths of a list joined by ' + '."""
+    return " + ".join(str(p) if is_hub_name(p) else str(Path(p).resolve()) for p in source_paths(path))
+
+
+def iter_records(path, *, chunk_size: int = 1 << 20, split: str = "train",
                  subset: str | None = None) -> Iterator[SourceRecord]:
     """Rows of `path` in order, read lazily. `chunk_size` is the characters read at a time from a JSON array;
-    `split` and `subset` (data.split, data.subset) choose the part of a hub dataset named `org/name`.
+    `split` and `subset` (data.split, data.subset) choose the part of a hub dataset named `org/name`. A list of
+    paths reads each in turn as one source (row indices continue across them).
 
-    The path is checked now (so a wrong `data.path` fails before any work); rows are read on demand.
+    The paths are checked now (so a wrong `data.path` fails before any work); rows are read on demand.
     """
+    paths = source_paths(path)
+    if len(paths) > 1:
+        return _concatenated([iter_records(p, chunk_size=chunk_size, split=split, subset=subset) for p in paths],
+                             [str(p) for p in paths])
+    path = paths[0]
     if is_hub_name(path):
         return _hub_records(_load_hub_dataset(str(path), split, subset))
     path = Path(path)
@@ -98,8 +120,28 @@ def _folder_records(files: list[Path], chunk_size: int) -> Iterator[SourceRecord
         offset += count
 
 
-def count_records(path: str | Path, *, split: str = "train", subset: str | None = None) -> int | None:
-    """Number of rows in `path`, cheaply, for a progress ETA; None when it cannot be known without failing."""
+def _concatenated(sources: list[Iterator[SourceRecord]], names: list[str]) -> Iterator[SourceRecord]:
+    """Several sources' rows as one: row indices continue across them (over the rows each yields); row errors name
+    their source."""
+    offset = 0
+    for source, name in zip(sources, names):
+        count = 0
+        for record in source:
+            if record.error is not None:
+                record.error = RowError(record.error.reason, f"{name}: {record.error.message}")
+            yield SourceRecord(offset + record.index, record.record, record.error)
+            count = record.index + 1
+        offset += count
+
+
+def count_records(path, *, split: str = "train", subset: str | None = None) -> int | None:
+    """Number of rows in `path` (all of a list's sources), cheaply, for a progress ETA; None when it cannot be known
+    without failing."""
+    paths = source_paths(path)
+    if len(paths) > 1:
+        counts = [count_records(p, split=split, subset=subset) for p in paths]
+        return None if None in counts else sum(counts)
+    path = paths[0]
     if is_hub_name(path):
         splits = _load_hub_dataset(str(path), split, subset).info.splits or {}
         return splits[split].num_examples if split in splits and splits[split].num_examples else None
@@ -332,19 +374,37 @@ class CappedSource:
     expected_rows: int | None  # rows the run will read (None: unknown without reading the whole source)
     file_rows: int | None      # rows in the source
     max_rows: int | None
+    sources: int = 1           # data.path's sources, read one after another (max_rows caps each)
 
     def describe(self, read: int) -> str:
         """'N source rows read (all)' or '... (stopped at data.max_rows=M; the source has K)'."""
-        if self.max_rows is not None and (self.file_rows is None or self.file_rows > self.max_rows):
-            whole = f"; the source has {self.file_rows:,}" if self.file_rows is not None else ""
-            return f"{read:,} source rows read (stopped at data.max_rows={self.max_rows}{whole})"
-        return f"{read:,} source rows read (all of {self.file_rows:,})" if self.file_rows is not None else \
-            f"{read:,} source rows read (all)"
+        of = f" of {self.sources} sources" if self.sources > 1 else ""
+        capped = self.max_rows is not None and (self.file_rows is None or self.expected_rows is None
+                                                or self.file_rows > self.expected_rows)
+        if capped:
+            whole = f"; the source{'s have' if self.sources > 1 else ' has'} {self.file_rows:,}" \
+                if self.file_rows is not None else ""
+            each = " each" if self.sources > 1 else ""
+            return f"{read:,} source rows read{of} (stopped at data.max_rows={self.max_rows}{each}{whole})"
+        return f"{read:,} source rows read{of} (all of {self.file_rows:,})" if self.file_rows is not None else \
+            f"{read:,} source rows read{of} (all)"
 
 
-def capped_source(path: str | Path, max_rows: int | None, *, split: str = "train",
-                  subset: str | None = None) -> CappedSource:
-    """The records of `path`, the first `max_rows` when set; a wrong path fails here, before any model loads."""
+def capped_source(path, max_rows: int | None, *, split: str = "train", subset: str | None = None) -> CappedSource:
+    """The records of `path`, the first `max_rows` when set (of each source, when `path` lists several); a wrong
+    path fails here, before any model loads."""
+    paths = source_paths(path)
+    parts = [_capped_one(p, max_rows, split, subset) for p in paths]
+    if len(parts) == 1:
+        return parts[0]
+    expected = [part.expected_rows for part in parts]
+    file_rows = [part.file_rows for part in parts]
+    return CappedSource(_concatenated([part.records for part in parts], [str(p) for p in paths]),
+                        None if None in expected else sum(expected), None if None in file_rows else sum(file_rows),
+                        max_rows, sources=len(parts))
+
+
+def _capped_one(path, max_rows: int | None, split: str, subset: str | None) -> CappedSource:
     records = iter_records(path, split=split, subset=subset)
     file_rows = count_records(path, split=split, subset=subset)
     expected = file_rows

@@ -16,7 +16,7 @@ from specgen.capture import TargetCapture
 from specgen.data.batching import pad_right
 from specgen.data.prepare import prepare_rows
 from specgen.data.sample import TokenizedSample
-from specgen.data.sources import iter_records
+from specgen.data.sources import capped_source
 from specgen.data.template import ChatTemplateTokenizer
 from specgen.draft.batches import BatchPlan
 from specgen.draft.ttt import DraftBatch, collate
@@ -25,15 +25,13 @@ from specgen.errors import SpecgenError
 log = logging.getLogger("specgen.draft")
 
 
-def tokenize_source(path: str, chat: ChatTemplateTokenizer, *, max_rows: int | None = None,
+def tokenize_source(path, chat: ChatTemplateTokenizer, *, max_rows: int | None = None,
                     on_bad_row: str = "skip", split: str = "train", subset: str | None = None) -> list[TokenizedSample]:
-    """All samples of a conversation file (or hub dataset split), tokenized and loss-masked; bad rows are skipped
-    and counted."""
+    """All samples of a conversation file (or hub dataset split, or a list of them: data.path), the first `max_rows`
+    rows of each, tokenized and loss-masked; bad rows are skipped and counted."""
     samples, rejected = [], Counter()
-    records = iter_records(path, split=split, subset=subset)
-    for index, row in enumerate(prepare_rows(records, chat, on_bad_row=on_bad_row)):
-        if max_rows is not None and index >= max_rows:
-            break
+    records = capped_source(path, max_rows, split=split, subset=subset).records
+    for row in prepare_rows(records, chat, on_bad_row=on_bad_row):
         samples.extend(row.samples)
         rejected.update(rejection.reason for rejection in row.rejections)
     if rejected:

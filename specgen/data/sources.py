@@ -109,18 +109,11 @@ def _folder_files(path: Path) -> list[Path]:
 
 def _folder_records(files: list[Path], chunk_size: int) -> Iterator[SourceRecord]:
     """The files' rows as one source: row indices continue across files; row errors name their file."""
-    offset = 0
-    for file in files:
-        count = 0
-        for record in _file_records(file, file.suffix.lower().lstrip("."), chunk_size):
-            if record.error is not None:
-                record.error = RowError(record.error.reason, f"{file.name} {record.error.message}")
-            yield SourceRecord(offset + record.index, record.record, record.error)
-            count = record.index + 1
-        offset += count
+    return _concatenated((_file_records(file, file.suffix.lower().lstrip("."), chunk_size) for file in files),
+                         [file.name for file in files])  # each file opened when its turn comes
 
 
-def _concatenated(sources: list[Iterator[SourceRecord]], names: list[str]) -> Iterator[SourceRecord]:
+def _concatenated(sources: Iterable[Iterator[SourceRecord]], names: list[str]) -> Iterator[SourceRecord]:
     """Several sources' rows as one: row indices continue across them (over the rows each yields); row errors name
     their source."""
     offset = 0
@@ -128,7 +121,7 @@ def _concatenated(sources: list[Iterator[SourceRecord]], names: list[str]) -> It
         count = 0
         for record in source:
             if record.error is not None:
-                record.error = RowError(record.error.reason, f"{name}: {record.error.message}")
+                record.error = RowError(record.error.reason, f"{name} {record.error.message}")
             yield SourceRecord(offset + record.index, record.record, record.error)
             count = record.index + 1
         offset += count

@@ -89,6 +89,11 @@ def worker_pids(launcher: int) -> dict[int, int]:
     return found
 
 
+# Rank 1 sleeps 2 s before each claim, so a kill after the first shard lands mid-job even when this test process
+# is starved of CPU (on a loaded machine it once saw the first shard only after the job had finished).
+SLOW_RANK_1 = {"SPECGEN_TEST_SLOW_RANK": "1:2"}
+
+
 def wait_for_first_shard(out_dir: Path, proc: subprocess.Popen) -> None:
     deadline = time.time() + LAUNCH_TIMEOUT
     while not list(out_dir.glob("shard-*.arrow")):
@@ -154,7 +159,7 @@ def test_a_dead_machine_stops_the_other_with_an_error(target, tmp_path):
 def test_resume_on_another_world_size(target, reference, tmp_path):
     """Start on 2 processes, kill -9 the whole job, finish on 1: the dataset is the uninterrupted one."""
     out_dir = tmp_path / "out"
-    proc = start(launch_cmd(job_args(target, out_dir)))
+    proc = start(launch_cmd(job_args(target, out_dir)), env=SLOW_RANK_1)
     wait_for_first_shard(out_dir, proc)
     for pid in [*worker_pids(proc.pid).values(), proc.pid]:
         os.kill(pid, signal.SIGKILL)
@@ -171,7 +176,7 @@ def test_resume_on_another_world_size(target, reference, tmp_path):
 @pytest.mark.slow
 def test_kill_9_of_one_rank_then_rerun(target, reference, tmp_path):
     out_dir = tmp_path / "out"
-    proc = start(launch_cmd(job_args(target, out_dir)))
+    proc = start(launch_cmd(job_args(target, out_dir)), env=SLOW_RANK_1)
     wait_for_first_shard(out_dir, proc)
     os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
     output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)

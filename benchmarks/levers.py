@@ -282,7 +282,6 @@ def mix(args, log: Path) -> None:
     log.write_text(f"{len(rows)} rows: {len(first)} regenerated, {len(second)} synthesized\n")
 
 
-
 def data_steps(args) -> list[dict]:
     """Stages.run's arguments, in order: regenerate (regenerated and synthesized, once each), mix, then generate
     every lever's shards."""

@@ -1,7 +1,7 @@
 """Data levers for EAGLE-3 draft training on a real target, several seeds each (issue #23's table).
 
     python benchmarks/levers.py --model M --prompts P.jsonl --out DIR [--recipe smollm2-135m]
-        [--levers original regenerated synthesized mixed all] [--rows N] [--regenerate-python PYTHON]
+        [--levers original regenerated synthesized mixed all resampled all-resampled] [--rows N] [--regenerate-python PYTHON]
         [--seeds 0 1 2] [--jobs 1]
         [--methods eagle3 eagle3.1 p-eagle dflash] [--ks 3 5 7] [--ttt-length T] [--steps N] [--set KEY=VALUE ...]
         [--speculators PYTHON [--speculators-seeds S ...]]
@@ -20,7 +20,10 @@ from `python -m specgen.assets.smollm2 --out M` and `... --prompts P.jsonl`. Eve
   all           every row the pipeline makes from those prompts: original, regenerated and synthesized together
                 (generate's data.path=[P,REGENERATED,SYNTHESIZED], --rows of each; about 2.3x the tokens of the
                 original lever: the other levers compare data at equal prompts and size, this one what the same
-                prompts can give).
+                prompts can give);
+  resampled     regenerated again with another sampling seed (regenerate.seed=1): a second reply to every prompt;
+  all-resampled all, plus the resampled rows (data.path=[P,REGENERATED,RESAMPLED,SYNTHESIZED]): the same prompts
+                with two sampled replies each (the target samples at the recipe's temperature, 0.7).
 Each lever's rows become shards (specgen.generate), on which every seed trains a draft (specgen.train,
 runtime.seed=S, train.ttt_length=T (default: the largest K), train.max_steps=--steps when given, one thread each,
 --jobs at once); --methods adds specgen's other draft methods (issue #24's axis: `draft.method=M`, named specgen-M
@@ -50,7 +53,7 @@ only; a key no stage has is an error. Every command is checked against specgen's
 
 Prints, per lever and trainer, acceptance mean ± std over seeds with each seed's value at every K (with --counter
 vllm also vLLM's tokens/s and the share of rounds accepting each draft position), then the wall seconds of every
-stage. DIR keeps everything: data/{regenerated,synthesized}/ and data/mixed.jsonl, shards/LEVER/,
+stage. DIR keeps everything: data/{regenerated,resampled,synthesized}/ and data/mixed.jsonl, shards/LEVER/,
 drafts/LEVER-TRAINER-seedS/, eval/LEVER-TRAINER-seedS/ (kK.json, turns-kK.jsonl, vllm-kK.json, served-kK.json),
 eval/turns.jsonl and eval/target.json (--counter vllm), logs/NAME.log (each
 stage's output), stages.json (each stage's command and wall seconds) and results.jsonl (one line per lever,
@@ -85,10 +88,12 @@ from common import SHARED  # noqa: E402
 from draft_quality import REPO, _python_env, acceptance, speculators_command, speculators_missing  # noqa: E402
 from served_acceptance import FLAGS, method_of, replay, write_turns  # noqa: E402
 
-LEVERS = ("original", "regenerated", "synthesized", "mixed", "all")
-POOLED = {"mixed", "all"}  # levers built from the regenerated and the synthesized rows
+LEVERS = ("original", "regenerated", "synthesized", "mixed", "all", "resampled", "all-resampled")
+POOLED = {"mixed", "all", "all-resampled"}  # levers built from the regenerated and the synthesized rows
 METHODS = ("eagle3", "eagle3.1", "p-eagle", "dflash")
-REGENERATED = {"regenerated": [], "synthesized": ["regenerate.user_turns=synthesize"]}
+REGENERATED = {"regenerated": [], "synthesized": ["regenerate.user_turns=synthesize"]}  # each pooled lever's
+RESAMPLED = {"resampled": ["regenerate.seed=1"]}  # a second sampled reply to every prompt
+SOURCES = {**REGENERATED, **RESAMPLED}  # regenerate outputs: data/NAME/, made by regenerate with these overrides
 STAGES = ("regenerate", "generate", "train")
 MT_BENCH = SHARED / "datasets" / "mt_bench_questions.jsonl"
 
@@ -208,6 +213,8 @@ def data_path(args, lever: str) -> Path | list[Path]:
         return args.prompts
     if lever == "all":
         return [args.prompts, *(args.out / "data" / source for source in REGENERATED)]
+    if lever == "all-resampled":
+        return [args.prompts, *(args.out / "data" / source for source in ("regenerated", "resampled", "synthesized"))]
     if lever == "mixed":
         return args.out / "data" / "mixed.jsonl"
     return args.out / "data" / lever
@@ -286,14 +293,16 @@ def data_steps(args) -> list[dict]:
     """Stages.run's arguments, in order: regenerate (regenerated and synthesized, once each), mix, then generate
     every lever's shards."""
     steps = []
-    sources = {lever for lever in args.levers if lever in REGENERATED}
+    sources = {lever for lever in args.levers if lever in SOURCES}
     if POOLED & set(args.levers):
         sources |= set(REGENERATED)
+    if "all-resampled" in args.levers:
+        sources |= set(RESAMPLED)
     for lever in sorted(sources):
         folder = data_path(args, lever)
         engine = ["engine=vllm"] if args.regenerate_python else []
         command = stage_command(args, "regenerate", f"model.path={args.model}", f"data.path={args.prompts}",
-                                f"output.dir={folder}", *rows_override(args), *REGENERATED[lever], *engine)
+                                f"output.dir={folder}", *rows_override(args), *SOURCES[lever], *engine)
         if args.regenerate_python:
             command[0] = args.regenerate_python  # vLLM's venv, for engine=vllm
         steps.append({"name": f"regenerate-{lever}", "done": has_manifest(folder), "command": command})
@@ -557,7 +566,7 @@ def mean_std(values: list[float]) -> str:
 def print_tables(args, stages: Stages, records: list[dict]) -> None:
     groups = list(dict.fromkeys((r["lever"], r["trainer"]) for r in records))
     width = max(8, 6 * len(args.seeds) - 1)  # each seed's value: "1.234 "
-    print(f"\n{'lever':<12} {'trainer':<16} {'rows':>5} {'trained tok':>11} {'seeds':>5}  "
+    print(f"\n{'lever':<14} {'trainer':<16} {'rows':>5} {'trained tok':>11} {'seeds':>5}  "
           + "  ".join(f"{f'K={k} mean ± std':>15}  {'per seed':<{width}}" for k in args.ks))
     for lever, trainer in groups:
         stats = shard_stats(args, lever)
@@ -568,7 +577,7 @@ def print_tables(args, stages: Stages, records: list[dict]) -> None:
             cells.append(f"{mean_std(values) if values else '-':>15}  "
                          f"{' '.join(f'{v:.3f}' for v in values):<{width}}")
         seeds = len({r["seed"] for r in records if (r["lever"], r["trainer"]) == (lever, trainer)})
-        print(f"{lever:<12} {trainer:<16} {stats.get('samples', '-'):>5} {stats.get('trainable_tokens', '-'):>11} "
+        print(f"{lever:<14} {trainer:<16} {stats.get('samples', '-'):>5} {stats.get('trainable_tokens', '-'):>11} "
               f"{seeds:>5}  " + "  ".join(cells))
     prompts = records[0]["prompts"] if records else 0
     counter = ("vLLM's CPU build serving each draft (its own counters; float32, up to 8 sequences at once)"
@@ -586,11 +595,11 @@ def print_tables(args, stages: Stages, records: list[dict]) -> None:
     if served:
         print(f"\nvLLM's CPU build and specgen's decoding on the same {served[0]['vllm']['prompts']} prompts (float32, "
               "greedy, up to 8 sequences at once)")
-        print(f"{'lever':<12} {'trainer':<16} {'seed':>4} {'K':>2} {'vLLM':>7} {'specgen':>7} {'tokens/s':>8}  "
+        print(f"{'lever':<14} {'trainer':<16} {'seed':>4} {'K':>2} {'vLLM':>7} {'specgen':>7} {'tokens/s':>8}  "
               "counts (drafts, accepted)   output tokens")
         for r in served:
             v = r["vllm"]
-            print(f"{r['lever']:<12} {r['trainer']:<16} {r['seed']:>4} {r['k']:>2} {v['acceptance_length']:>7.3f} "
+            print(f"{r['lever']:<14} {r['trainer']:<16} {r['seed']:>4} {r['k']:>2} {v['acceptance_length']:>7.3f} "
                   f"{v['specgen_acceptance_length']:>7.3f} {v['tokens_per_second']:>8.1f}  "
                   f"{'equal to specgen' if v['counts_equal'] else 'DIFFER':<27} "
                   f"{'equal to specgen' if v['outputs_equal'] else 'DIFFER'}")
@@ -609,7 +618,7 @@ def print_served(args, records: list[dict]) -> None:
         group = [r for r in served if (r["lever"], r["trainer"], r["k"]) == (lever, trainer, k)]
         rounds = sum(r["rounds"] for r in group)
         shares = [sum(column) / rounds for column in zip(*(r["accepted_per_position"] for r in group))]
-        print(f"{lever:<12} {trainer:<16} K={k:<2} {statistics.mean(r['tokens_per_second'] for r in group):>7.1f}  "
+        print(f"{lever:<14} {trainer:<16} K={k:<2} {statistics.mean(r['tokens_per_second'] for r in group):>7.1f}  "
               + " ".join(f"{share:.3f}" for share in shares))
 
 
@@ -640,6 +649,8 @@ def print_times(args, stages: Stages) -> None:
               f"{show(stages.seconds('mix'))} s")
     if "all" in args.levers:
         print("all: regenerate is regenerated's and synthesized's")
+    if "all-resampled" in args.levers:
+        print("all-resampled: regenerate is regenerated's, resampled's and synthesized's")
     served = [value for name, value in stages.record.items() if name.startswith("vllm-")]
     if served:
         print(f"vLLM serving: {len(served)} runs, {sum(v['seconds'] for v in served):.0f} s")

@@ -120,7 +120,8 @@ def build_regenerator(cfg: DictConfig, tokenizer, model) -> ConversationRegenera
                               batch_tokens=settings.batch_tokens)
     policy = TurnPolicy(turns=settings.turns, on_truncated=settings.on_truncated, on_empty=settings.on_empty,
                         on_loop=settings.on_loop, loop_ngram=int(settings.loop_ngram),
-                        loop_repeats=int(settings.loop_repeats), user_turns=settings.user_turns)
+                        loop_repeats=int(settings.loop_repeats), resample_tries=int(settings.resample_tries),
+                        user_turns=settings.user_turns)
     return ConversationRegenerator(tokenizer, generator, policy, max_prompt_tokens=max_prompt_tokens,
                                    prompt_limit=prompt_limit,
                                    chat_template_kwargs=template_kwargs(cfg, tokenizer),
@@ -137,10 +138,16 @@ def generation_settings(cfg: DictConfig, regenerator: ConversationRegenerator) -
             "on_truncated": regenerator.policy.on_truncated,
             "on_empty": regenerator.policy.on_empty, "on_loop": regenerator.policy.on_loop,
             "loop_ngram": regenerator.policy.loop_ngram, "loop_repeats": regenerator.policy.loop_repeats,
+            **resample_settings(regenerator.policy),
             "max_prompt_tokens": regenerator.max_prompt_tokens, "prompt_limit": regenerator.prompt_limit,
             "stop_token_ids": regenerator.generator.stop_token_ids, "split_reasoning": regenerator.split_reasoning,
             "backend": getattr(regenerator.generator, "backend",
                                "transformers generate: left-padded batches, KV cache")}
+
+
+def resample_settings(policy) -> dict:
+    """{"resample_tries": N} where a policy resamples; {} otherwise, so outputs made before it keep their identity."""
+    return {"resample_tries": policy.resample_tries} if "resample" in (policy.on_loop, policy.on_empty) else {}
 
 
 def dataset_identity(cfg: DictConfig, model_config_hash: str, template_sha: str, generation: dict,
@@ -231,6 +238,9 @@ def print_summary(manifest: dict, out_dir: Path, new_tokens: int, rows: int, sec
         ("empty turns", f"{stats['empty_turns']:,} (on_empty={generation['on_empty']})"),
         ("looping turns", f"{stats.get('loop_turns', 0):,} repeat a run of {generation.get('loop_ngram')} tokens more "
                           f"than {generation.get('loop_repeats')} times (on_loop={generation.get('on_loop')})"),
+        *([("resampled turns", f"{stats.get('resampled_turns', 0):,} draws discarded and drawn again (up to "
+                               f"{generation['resample_tries']} more per turn; the counts above include them)")]
+          if "resample_tries" in generation else []),
         ("dropped rows", table(stats["dropped"])),
         ("cut rows", f"{stats['cut_rows']:,} ended before a turn whose prompt exceeds {generation['max_prompt_tokens']:,} "
                      f"tokens ({generation.get('prompt_limit', 'data.max_length')}); rows whose first such prompt is "

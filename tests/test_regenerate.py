@@ -519,6 +519,66 @@ def test_looping_turns_are_counted_and_dropped_by_policy(switch_model, tmp_path)
     assert dropped["stats"]["dropped"] == {"loop": len(looping)} and dropped["stats"]["loop_turns"] == len(looping)
 
 
+def test_resampling_draws_a_looping_turn_again_then_drops_its_row(chat_model, tmp_path):
+    """regenerate.on_loop=resample: a looping draw is discarded and the turn drawn again, up to resample_tries more
+    times, then the row is dropped as with drop. Every draw is counted (loop_turns: every looping draw; resampled:
+    the discarded ones), no kept turn loops, and a re-run repeats the output byte for byte. A loop here is any token
+    twice in a 12-token turn sampled from the top 8 (loop_ngram=1, loop_repeats=1): some draws loop, some do not."""
+    from specgen.regen.turns import TurnPolicy
+
+    source = write_source(tmp_path / "source.jsonl", CONVERSATIONS * 3)
+    rule = ["regenerate.temperature=1.0", "regenerate.top_k=8", "regenerate.max_new_tokens=12",
+            "regenerate.loop_ngram=1", "regenerate.loop_repeats=1", "regenerate.on_empty=keep"]
+    dropped = regenerate(chat_model, source, tmp_path / "drop", *rule)
+    assert dropped["stats"]["dropped"].get("loop") and dropped["stats"]["rows"], "the draws must mix loops and others"
+    assert dropped["stats"]["resampled_turns"] == 0 and "resample_tries" not in dropped["generation"]
+
+    manifest = regenerate(chat_model, source, tmp_path / "resample", *rule, "regenerate.on_loop=resample",
+                          "regenerate.resample_tries=3")
+    stats = manifest["stats"]
+    assert stats["resampled_turns"] > 0 and manifest["generation"]["resample_tries"] == 3
+    # every looping draw was either drawn again or, with no tries left, dropped its row
+    assert stats["loop_turns"] == stats["resampled_turns"] + stats["dropped"].get("loop", 0)
+    assert stats["rows"] > dropped["stats"]["rows"]
+    for rejection in rejected_rows(tmp_path / "resample"):
+        if rejection["reason"] == "loop":
+            assert "(regenerate.on_loop=resample, after 3 more draws)" in rejection["message"]
+    again = regenerate(chat_model, source, tmp_path / "again", *rule, "regenerate.on_loop=resample",
+                       "regenerate.resample_tries=3")
+    assert part_files(tmp_path / "again") == part_files(tmp_path / "resample") and again["stats"] == stats
+
+    # No looping draw is kept: watch the real model's draws (what the generator returns) in one unit.
+    from specgen.data.sources import iter_records
+    from specgen.regenerate import build_regenerator, load_model
+    from specgen.runtime import load_tokenizer
+
+    cfg = compose("regenerate", [f"model.path={chat_model}", f"data.path={source}", "runtime.device=cpu", *rule,
+                                 "regenerate.on_loop=resample", "regenerate.resample_tries=3"])
+    tokenizer = load_tokenizer(cfg.tokenizer.path)
+    regenerator = build_regenerator(cfg, tokenizer, load_model(cfg, torch.device("cpu")))
+    draws, complete = [], regenerator.generator.complete
+
+    def watched(prompts, on_batch=None):
+        draws.extend(completions := complete(prompts, on_batch))
+        return completions
+
+    regenerator.generator.complete = watched
+    result = regenerator.regenerate(iter_records(source))
+    policy = TurnPolicy(loop_ngram=1, loop_repeats=1)
+    looped = [tokenizer.decode(d.token_ids, skip_special_tokens=True).strip() for d in draws if policy.loops(d.token_ids)]
+    kept = {m["content"].strip() for row in result.rows for m in row["messages"] if m["role"] == "assistant"}
+    assert looped and not set(looped) & kept and len(looped) == result.stats["loop_turns"]
+
+
+def test_resampling_needs_sampling_and_a_positive_number_of_tries(chat_model, tmp_path):
+    source = write_source(tmp_path / "source.jsonl", CONVERSATIONS)
+    with pytest.raises(SpecgenError, match=r"^regenerate.on_loop=resample needs sampling \(regenerate.temperature"):
+        regenerate(chat_model, source, tmp_path / "greedy", "regenerate.on_loop=resample")
+    with pytest.raises(SpecgenError, match="regenerate.resample_tries"):
+        regenerate(chat_model, source, tmp_path / "zero", "regenerate.temperature=1.0",
+                   "regenerate.on_empty=resample", "regenerate.resample_tries=0")
+
+
 def test_progress_moves_per_row_chunk_and_per_decoding_step(chat_model, tmp_path):
     """regenerate reports rows as each chunk of regenerate.batch_size rows finishes, and tokens after every
     decoding step (so a long batch is visibly alive); the reported tokens add up to the generated ones."""

@@ -19,7 +19,9 @@ would answer questions that were replaced); other rows are rejected (`tool_calls
 Nothing is lost silently. A generation that reaches max_new_tokens is *truncated*, one whose answer (content,
 reasoning aside) is blank is *empty*, one that *loops* repeats itself: some run of `loop_ngram` consecutive
 tokens occurs more than `loop_repeats` times in the turn (greedy decoding of a small model falls into such
-cycles; `loop_repeats=0` switches the check off). All three are counted and the row is kept or dropped by policy. A row whose
+cycles; `loop_repeats=0` switches the check off). All three are counted and the row is kept or dropped by policy;
+a looping or empty turn may instead be *resampled*: drawn again (up to `resample_tries` times, each draw counted)
+before its row is dropped, so a prompt that sometimes makes the target loop still gives data. A row whose
 prompt for a turn is longer than `max_prompt_tokens` has no room for that turn in training (generate truncates at
 the same length), so it is cut before that turn and counted, or rejected when no turn was regenerated yet.
 Rows that leave the output become `Rejection`s (row index, id, reason) for `rejected.jsonl`.
@@ -41,6 +43,7 @@ from specgen.regen.reply import assistant_reply, renders_reasoning
 
 TURNS = ("all", "last")
 POLICIES = ("keep", "drop")
+RESAMPLE_POLICIES = (*POLICIES, "resample")  # for the faults a new draw can mend: loop, empty
 USER_TURNS = ("keep", "synthesize")
 # Stands in for a user turn's content to find where the template's user-turn header ends.
 _USER_SENTINEL = "\u2063specgen-user-turn\u2063"
@@ -48,7 +51,7 @@ _USER_SENTINEL = "\u2063specgen-user-turn\u2063"
 POLICY_REASONS = ("truncated", "empty", "loop")
 # The per-unit counts, summed over units into the manifest.
 COUNTS = ("source_rows", "rows", "regenerated_turns", "new_tokens", "truncated_turns", "empty_turns", "loop_turns",
-          "cut_rows", "kept_tool_call_turns", "synthesized_user_turns")
+          "resampled_turns", "cut_rows", "kept_tool_call_turns", "synthesized_user_turns")
 
 
 class _Prompt(NamedTuple):
@@ -60,21 +63,25 @@ class _Prompt(NamedTuple):
 class TurnPolicy:
     turns: str = "all"          # all | last: which assistant turns are regenerated
     on_truncated: str = "keep"  # keep | drop a row with a turn that reached max_new_tokens
-    on_empty: str = "drop"      # keep | drop a row with a turn whose answer is blank
-    on_loop: str = "drop"       # keep | drop a row with a turn that loops (see `loops`)
+    on_empty: str = "drop"      # keep | drop | resample a row with a turn whose answer is blank
+    on_loop: str = "drop"       # keep | drop | resample a row with a turn that loops (see `loops`)
+    resample_tries: int = 2     # draws after the first for a turn that loops or is empty under `resample`
     loop_ngram: int = 8         # a turn loops when a run of this many tokens ...
     loop_repeats: int = 3       # ... occurs more than this many times in it (0: never)
     user_turns: str = "keep"    # keep | synthesize: the target writes the user turns too (module doc)
 
     def __post_init__(self) -> None:
         for key, value, allowed in (("turns", self.turns, TURNS), ("on_truncated", self.on_truncated, POLICIES),
-                                    ("on_empty", self.on_empty, POLICIES), ("on_loop", self.on_loop, POLICIES),
+                                    ("on_empty", self.on_empty, RESAMPLE_POLICIES),
+                                    ("on_loop", self.on_loop, RESAMPLE_POLICIES),
                                     ("user_turns", self.user_turns, USER_TURNS)):
             if value not in allowed:
                 raise SpecgenError(f"regenerate.{key} must be one of {list(allowed)}, got {value!r}")
         if self.user_turns == "synthesize" and self.turns != "all":
             raise SpecgenError("regenerate.user_turns=synthesize needs regenerate.turns=all: a kept reply would "
                                "answer a question the target replaced")
+        if self.resample_tries < 1:
+            raise SpecgenError(f"regenerate.resample_tries must be >= 1, got {self.resample_tries}")
         if self.loop_ngram < 1 or self.loop_repeats < 0:
             raise SpecgenError(f"regenerate.loop_ngram must be >= 1 and regenerate.loop_repeats >= 0, got "
                                f"{self.loop_ngram} and {self.loop_repeats}")
@@ -98,6 +105,7 @@ class _Row:
     conversation: Conversation
     targets: list[int]  # message positions of the assistant turns to regenerate, in order
     done: int = 0       # how many of `targets` are regenerated
+    redraws: int = 0    # how many times the current target was drawn again (regenerate.on_loop/on_empty=resample)
     rejection: Rejection | None = None  # set when the row leaves the output
 
     @property
@@ -147,6 +155,10 @@ class ConversationRegenerator:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.on_bad_row = on_bad_row
         self.split_reasoning = renders_reasoning(tokenizer)
+        if generator.sampling.greedy and "resample" in (policy.on_loop, policy.on_empty):
+            key = "on_loop" if policy.on_loop == "resample" else "on_empty"
+            raise SpecgenError(f"regenerate.{key}=resample needs sampling (regenerate.temperature > 0): greedy "
+                               "decoding draws the same turn again")
         if policy.user_turns == "synthesize" and generator.sampling.greedy:
             raise SpecgenError("regenerate.user_turns=synthesize needs sampling (regenerate.temperature > 0): greedy "
                                "decoding writes the same first user turn in every row")
@@ -259,29 +271,43 @@ class ConversationRegenerator:
         role = row.conversation.messages[position]["role"]
         if role == "user":
             message = {"role": "user", "content": text.strip()}
-            stats["synthesized_user_turns"] += 1
         else:
             message = assistant_reply(text, prompt=prompt, split_reasoning=self.split_reasoning)
-            stats["regenerated_turns"] += 1
-        row.conversation.messages[position] = message
-        row.done += 1
         stats["new_tokens"] += completion.num_generated
+        loops, empty = self.policy.loops(completion.token_ids), not message["content"].strip()
+        stats["loop_turns"] += loops
+        stats["empty_turns"] += empty
+        if self._redraw(row, loops, empty):
+            stats["resampled_turns"] += 1
+            return  # the row waits: its next prompt is this turn's again, drawn from the RNG's next state
+        stats["synthesized_user_turns" if role == "user" else "regenerated_turns"] += 1
+        row.conversation.messages[position] = message
+        row.done, row.redraws = row.done + 1, 0
         if not completion.finished:
             stats["truncated_turns"] += 1
             if self.policy.on_truncated == "drop":
                 row.leave("truncated", f"the {role} turn at message {position} reached regenerate.max_new_tokens="
                                        f"{self.generator.sampling.max_new_tokens} (regenerate.on_truncated=drop)")
-        if self.policy.loops(completion.token_ids):
-            stats["loop_turns"] += 1
-            if self.policy.on_loop == "drop":
-                row.leave("loop", f"the {role} turn at message {position} repeats a run of "
-                                  f"{self.policy.loop_ngram} tokens more than {self.policy.loop_repeats} times "
-                                  "(regenerate.on_loop=drop)")
-        if not message["content"].strip():
-            stats["empty_turns"] += 1
-            if self.policy.on_empty == "drop":
-                row.leave("empty", f"the {role} turn at message {position} has an empty "
-                                   f"{'question' if role == 'user' else 'answer'} (regenerate.on_empty=drop)")
+        if loops and self.policy.on_loop != "keep":
+            row.leave("loop", f"the {role} turn at message {position} repeats a run of "
+                              f"{self.policy.loop_ngram} tokens more than {self.policy.loop_repeats} times "
+                              f"(regenerate.on_loop={self._given_up('on_loop')})")
+        if empty and self.policy.on_empty != "keep":
+            row.leave("empty", f"the {role} turn at message {position} has an empty "
+                               f"{'question' if role == 'user' else 'answer'} "
+                               f"(regenerate.on_empty={self._given_up('on_empty')})")
+
+    def _redraw(self, row: _Row, loops: bool, empty: bool) -> bool:
+        """Whether this draw of the row's current turn is discarded and drawn again (`resample`, tries left)."""
+        faults = [policy for policy, fault in ((self.policy.on_loop, loops), (self.policy.on_empty, empty)) if fault]
+        if "resample" in faults and row.redraws < self.policy.resample_tries:
+            row.redraws += 1
+            return True
+        return False
+
+    def _given_up(self, key: str) -> str:
+        policy = getattr(self.policy, key)
+        return policy if policy != "resample" else f"resample, after {self.policy.resample_tries} more draws"
 
     def _reject_row(self, row: _Row, error: RowError) -> None:
         rejection = self._rejection(row.source_index, row.row_id, error)

@@ -89,11 +89,11 @@ from draft_quality import REPO, _python_env, acceptance, speculators_command, sp
 from served_acceptance import FLAGS, method_of, replay, write_turns  # noqa: E402
 
 LEVERS = ("original", "regenerated", "synthesized", "mixed", "all", "resampled", "all-resampled")
-POOLED = {"mixed", "all", "all-resampled"}  # levers built from the regenerated and the synthesized rows
+# the pooled levers' regenerate outputs (data/NAME/), after the prompts' own rows
+POOLS = {"all": ("regenerated", "synthesized"), "all-resampled": ("regenerated", "resampled", "synthesized")}
 METHODS = ("eagle3", "eagle3.1", "p-eagle", "dflash")
-REGENERATED = {"regenerated": [], "synthesized": ["regenerate.user_turns=synthesize"]}  # each pooled lever's
-RESAMPLED = {"resampled": ["regenerate.seed=1"]}  # a second sampled reply to every prompt
-SOURCES = {**REGENERATED, **RESAMPLED}  # regenerate outputs: data/NAME/, made by regenerate with these overrides
+# regenerate outputs: data/NAME/, made by regenerate with these overrides (resampled: a second sampled reply)
+SOURCES = {"regenerated": [], "synthesized": ["regenerate.user_turns=synthesize"], "resampled": ["regenerate.seed=1"]}
 STAGES = ("regenerate", "generate", "train")
 MT_BENCH = SHARED / "datasets" / "mt_bench_questions.jsonl"
 
@@ -211,10 +211,8 @@ def data_path(args, lever: str) -> Path | list[Path]:
     """What generate reads for `lever` (data.path)."""
     if lever == "original":
         return args.prompts
-    if lever == "all":
-        return [args.prompts, *(args.out / "data" / source for source in REGENERATED)]
-    if lever == "all-resampled":
-        return [args.prompts, *(args.out / "data" / source for source in ("regenerated", "resampled", "synthesized"))]
+    if lever in POOLS:
+        return [args.prompts, *(args.out / "data" / source for source in POOLS[lever])]
     if lever == "mixed":
         return args.out / "data" / "mixed.jsonl"
     return args.out / "data" / lever
@@ -290,14 +288,13 @@ def mix(args, log: Path) -> None:
 
 
 def data_steps(args) -> list[dict]:
-    """Stages.run's arguments, in order: regenerate (regenerated and synthesized, once each), mix, then generate
-    every lever's shards."""
+    """Stages.run's arguments, in order: regenerate (each output in SOURCES that a lever needs, once), mix, then
+    generate every lever's shards."""
     steps = []
     sources = {lever for lever in args.levers if lever in SOURCES}
-    if POOLED & set(args.levers):
-        sources |= set(REGENERATED)
-    if "all-resampled" in args.levers:
-        sources |= set(RESAMPLED)
+    if "mixed" in args.levers:
+        sources |= {"regenerated", "synthesized"}
+    sources |= {source for lever in args.levers for source in POOLS.get(lever, ())}
     for lever in sorted(sources):
         folder = data_path(args, lever)
         engine = ["engine=vllm"] if args.regenerate_python else []
@@ -647,10 +644,9 @@ def print_times(args, stages: Stages) -> None:
     if "mixed" in args.levers:
         print("mixed: regenerate is regenerated's and synthesized's; mixing took "
               f"{show(stages.seconds('mix'))} s")
-    if "all" in args.levers:
-        print("all: regenerate is regenerated's and synthesized's")
-    if "all-resampled" in args.levers:
-        print("all-resampled: regenerate is regenerated's, resampled's and synthesized's")
+    for lever in (lever for lever in POOLS if lever in args.levers):
+        *others, last = (f"{source}'s" for source in POOLS[lever])
+        print(f"{lever}: regenerate is {', '.join(others)} and {last}")
     served = [value for name, value in stages.record.items() if name.startswith("vllm-")]
     if served:
         print(f"vLLM serving: {len(served)} runs, {sum(v['seconds'] for v in served):.0f} s")

@@ -1,7 +1,8 @@
 """Data levers for EAGLE-3 draft training on a real target, several seeds each (issue #23's table).
 
     python benchmarks/levers.py --model M --prompts P.jsonl --out DIR [--recipe smollm2-135m]
-        [--levers original regenerated synthesized mixed all resampled all-resampled] [--rows N] [--regenerate-python PYTHON]
+        [--levers original regenerated synthesized mixed all resampled all-resampled redrawn resampled-redrawn
+                  all-redrawn] [--rows N] [--regenerate-python PYTHON]
         [--seeds 0 1 2] [--jobs 1]
         [--methods eagle3 eagle3.1 p-eagle dflash] [--ks 3 5 7] [--ttt-length T] [--steps N] [--set KEY=VALUE ...]
         [--speculators PYTHON [--speculators-seeds S ...]]
@@ -23,7 +24,11 @@ from `python -m specgen.assets.smollm2 --out M` and `... --prompts P.jsonl`. Eve
                 prompts can give);
   resampled     regenerated again with another sampling seed (regenerate.seed=1): a second reply to every prompt;
   all-resampled all, plus the resampled rows (data.path=[P,REGENERATED,RESAMPLED,SYNTHESIZED]): the same prompts
-                with two sampled replies each (the target samples at the recipe's temperature, 0.7).
+                with two sampled replies each (the target samples at the recipe's temperature, 0.7);
+  redrawn       regenerated with regenerate.on_loop=resample: a looping turn is sampled again (up to
+                regenerate.resample_tries more times) instead of dropping its row;
+  resampled-redrawn  resampled, with regenerate.on_loop=resample;
+  all-redrawn   all-resampled with both replies redrawn (data.path=[P,REDRAWN,RESAMPLED-REDRAWN,SYNTHESIZED]).
 Each lever's rows become shards (specgen.generate), on which every seed trains a draft (specgen.train,
 runtime.seed=S, train.ttt_length=T (default: the largest K), train.max_steps=--steps when given, one thread each,
 --jobs at once); --methods adds specgen's other draft methods (issue #24's axis: `draft.method=M`, named specgen-M
@@ -53,9 +58,9 @@ only; a key no stage has is an error. Every command is checked against specgen's
 
 Prints, per lever and trainer, acceptance mean ± std over seeds with each seed's value at every K (with --counter
 vllm also vLLM's tokens/s and the share of rounds accepting each draft position), then the wall seconds of every
-stage. DIR keeps everything: data/{regenerated,resampled,synthesized}/ and data/mixed.jsonl, shards/LEVER/,
-drafts/LEVER-TRAINER-seedS/, eval/LEVER-TRAINER-seedS/ (kK.json, turns-kK.jsonl, vllm-kK.json, served-kK.json),
-eval/turns.jsonl and eval/target.json (--counter vllm), logs/NAME.log (each
+stage. DIR keeps everything: data/{regenerated,resampled,redrawn,resampled-redrawn,synthesized}/ and
+data/mixed.jsonl, shards/LEVER/, drafts/LEVER-TRAINER-seedS/, eval/LEVER-TRAINER-seedS/ (kK.json, turns-kK.jsonl,
+vllm-kK.json, served-kK.json), eval/turns.jsonl and eval/target.json (--counter vllm), logs/NAME.log (each
 stage's output), stages.json (each stage's command and wall seconds) and results.jsonl (one line per lever,
 trainer, seed and K; rewritten as evaluations finish). Re-running the same command skips every finished stage
 (regenerate or generate output with its manifest.json, a draft folder with config.json + model.safetensors, an
@@ -88,12 +93,16 @@ from common import SHARED  # noqa: E402
 from draft_quality import REPO, _python_env, acceptance, speculators_command, speculators_missing  # noqa: E402
 from served_acceptance import FLAGS, method_of, replay, write_turns  # noqa: E402
 
-LEVERS = ("original", "regenerated", "synthesized", "mixed", "all", "resampled", "all-resampled")
+LEVERS = ("original", "regenerated", "synthesized", "mixed", "all", "resampled", "all-resampled", "redrawn",
+          "resampled-redrawn", "all-redrawn")
 # the pooled levers' regenerate outputs (data/NAME/), after the prompts' own rows
-POOLS = {"all": ("regenerated", "synthesized"), "all-resampled": ("regenerated", "resampled", "synthesized")}
+POOLS = {"all": ("regenerated", "synthesized"), "all-resampled": ("regenerated", "resampled", "synthesized"),
+         "all-redrawn": ("redrawn", "resampled-redrawn", "synthesized")}
 METHODS = ("eagle3", "eagle3.1", "p-eagle", "dflash")
 # regenerate outputs: data/NAME/, made by regenerate with these overrides (resampled: a second sampled reply)
-SOURCES = {"regenerated": [], "synthesized": ["regenerate.user_turns=synthesize"], "resampled": ["regenerate.seed=1"]}
+SOURCES = {"regenerated": [], "synthesized": ["regenerate.user_turns=synthesize"], "resampled": ["regenerate.seed=1"],
+           "redrawn": ["regenerate.on_loop=resample"],
+           "resampled-redrawn": ["regenerate.seed=1", "regenerate.on_loop=resample"]}
 STAGES = ("regenerate", "generate", "train")
 MT_BENCH = SHARED / "datasets" / "mt_bench_questions.jsonl"
 

@@ -177,6 +177,8 @@ KEYS: dict[str, Key] = {
     "evaluate.max_new_tokens": _k("int", min=POSITIVE),
     "evaluate.max_prompts": _k("int", null=True, min=POSITIVE),
     "evaluate.turns": _k("str", choices=("all", "first")),
+    "evaluate.near_tie_tolerance": _k("float", min=0),
+    "evaluate.reference": _k("str", choices=("greedy", "replay")),
     # export: a draft in the layout an engine reads
     "export.format": _k("str", choices=("vllm", "sglang", "specforge", "speculators")),
     "export.speculative_tokens": _k("int", min=POSITIVE),

@@ -562,7 +562,8 @@ def _print_summary(out_dir: Path, data: TrainingData, draft: Eagle3Draft, state:
             "above are on training samples)")] if "heldout_loss" in metrics else []),
         *([("acceptance (decoded)", f"{metrics['accept_len']:.2f} = 1 + accepted / rounds over "
                                     f"{metrics['accept_rounds']} rounds of real speculative decoding on the "
-                                    "train.eval_prompts, last step")] if "accept_len" in metrics else []),
+                                    "train.eval_prompts, last step; lossless in "
+                                    f"{metrics['accept_lossless']:.0%} of them")] if "accept_len" in metrics else []),
         ("throughput", f"{metrics.get('tokens_per_s', 0):,.0f} tokens/s (last logging window)"),
         *([("stream", f"this process: {data.source.report()}")] if isinstance(data.source, StreamBatches) else []),
         ("metrics", str(out_dir / METRICS)),

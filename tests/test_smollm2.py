@@ -168,7 +168,7 @@ def test_vllm_serves_a_draft_of_the_real_target_with_specgen_evaluate_counts(smo
                                            "evaluate.max_prompts=3", f"evaluate.max_new_tokens={new_tokens}",
                                            f"evaluate.num_draft_tokens={k}", f"output.dir={tmp_path / 'eval'}",
                                            *quiet]))
-    assert report["matches_target_greedy"]
+    assert report["lossless"] and report["matches_target_greedy"], report["lossless_line"]  # float32: exact
     out = tmp_path / "vllm.json"
     replay = Path(__file__).with_name("vllm_replay.py")
     done = subprocess.run([sys.executable, str(replay), str(tmp_path / "eval" / "samples.jsonl"), str(out),

@@ -379,6 +379,7 @@ def test_the_acceptance_probe_decodes_like_evaluate_and_leaves_training_unchange
     assert lines[-1]["accept_rounds"] == report["verification_rounds"]
     assert lines[-1]["accept_len"] == pytest.approx(report["acceptance_length"], abs=1e-12)
     assert 1 < lines[-1]["accept_len"] <= 4  # the draft is accepted: the comparison is not one of zeros
+    assert all(line["accept_lossless"] == 1.0 for line in lines if "accept_len" in line)
 
 
 def test_the_acceptance_probe_online_shares_the_target_in_the_loop(tmp_path):

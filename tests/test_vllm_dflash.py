@@ -124,7 +124,7 @@ def replay(trained: dict, name: str, *args: str) -> dict:
 
 def test_vllm_serves_the_dflash_draft_as_trained(trained):
     report, samples = trained["report"], trained["samples"]
-    assert report["matches_target_greedy"]
+    assert report["lossless"] and report["matches_target_greedy"], report["lossless_line"]  # float32: exact
     served = replay(trained, "dflash", "--draft", str(trained["draft"]), "--method", "dflash")
     specgen_outputs = [sample["output_token_ids"] for sample in samples]
     assert served["output_token_ids"] == specgen_outputs  # the target's greedy text (specgen checked it)

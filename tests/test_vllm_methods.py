@@ -53,7 +53,7 @@ def replay(root, name: str, samples_path, *args: str) -> dict:
 
 def assert_served_as_evaluated(served: dict, alone: dict, run: dict) -> None:
     report = run["report"]
-    assert report["matches_target_greedy"]
+    assert report["lossless"] and report["matches_target_greedy"], report["lossless_line"]  # float32: exact
     assert served["output_token_ids"] == alone["output_token_ids"]  # lossless in vLLM
     assert served["output_token_ids"] == [sample["output_token_ids"] for sample in run["samples"]]
     assert served["num_drafts"] == report["verification_rounds"]

@@ -69,7 +69,7 @@ def shifted(trained: dict, offset: int) -> Path:
 
 def test_vllm_serves_the_checkpoint_as_trained(trained):
     report, samples = trained["report"], trained["samples"]
-    assert report["matches_target_greedy"]
+    assert report["lossless"] and report["matches_target_greedy"], report["lossless_line"]  # float32: exact
     served = replay(trained, "draft", "--target", str(TARGET), "--draft", str(trained["draft"]))
     alone = replay(trained, "target", "--target", str(TARGET))
     specgen_outputs = [sample["output_token_ids"] for sample in samples]

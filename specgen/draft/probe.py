@@ -16,7 +16,7 @@ import torch
 
 from specgen.data.prompts import Prompt, chat_prompt_ids
 from specgen.draft.model import Eagle3Draft
-from specgen.draft.speculative import TargetRunner, speculative_generate
+from specgen.draft.speculative import TargetRunner, replayed_greedy, speculative_generate
 from specgen.draft.target_head import TargetHead
 from specgen.draft.trainer import forward_batch
 from specgen.errors import SpecgenError
@@ -38,7 +38,10 @@ def heldout_split(num_samples: int, heldout: int) -> tuple[list[int], list[int]]
 
 
 class AcceptanceProbe:
-    """`probe(draft)` -> {"accept_len", "accept_rounds", "accept_seconds"} over the prompts' first turns."""
+    """`probe(draft)` -> {"accept_len", "accept_rounds", "accept_seconds", "accept_lossless"} over the prompts' first
+    turns. accept_lossless is the share of prompts whose output equals the target's greedy choices replayed in the
+    decoding's own forward shapes (`replayed_greedy`, evaluate.reference=replay): exact in any dtype, so 1.0 unless
+    the decoding is broken; it costs one target forward per round more."""
 
     def __init__(self, target: TargetRunner, tokenizer, prompts: list[Prompt], *, num_draft_tokens: int,
                  max_new_tokens: int, eos_ids: set[int]):
@@ -51,7 +54,7 @@ class AcceptanceProbe:
         self.eos_ids = eos_ids
 
     def __call__(self, draft: Eagle3Draft) -> dict:
-        start, rounds, accepted = time.perf_counter(), 0, 0
+        start, rounds, accepted, lossless = time.perf_counter(), 0, 0, 0
         training = draft.training
         draft.eval()
         try:
@@ -60,10 +63,13 @@ class AcceptanceProbe:
                                                   max_new_tokens=self.max_new_tokens, eos_ids=self.eos_ids)
                 rounds += generation.verification_rounds
                 accepted += sum(generation.accepted)
+                replayed = replayed_greedy(self.target, ids, generation.drafted, max_new_tokens=self.max_new_tokens,
+                                           eos_ids=self.eos_ids)
+                lossless += replayed.tokens == generation.tokens
         finally:
             draft.train(training)
         return {"accept_len": 1 + accepted / max(rounds, 1), "accept_rounds": rounds,
-                "accept_seconds": time.perf_counter() - start}
+                "accept_seconds": time.perf_counter() - start, "accept_lossless": lossless / len(self.prompt_ids)}
 
 
 class HeldoutScore:

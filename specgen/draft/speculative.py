@@ -6,7 +6,9 @@ One round, after the target has verified everything up to position p and chosen 
   3. the target consumes x[p+1] and the K draft tokens in one forward; the longest prefix of draft tokens that
      equals the target's own greedy choices is accepted, plus the target's token after it (the bonus token).
 So every round emits between 1 and K+1 tokens, all of them the target's greedy choices: the output must equal
-plain greedy decoding of the target (`greedy_generate`), which the evaluation checks.
+plain greedy decoding of the target (`greedy_generate`), which the evaluation checks. Both decodings keep, for each
+token, the TOP_K highest logits of the row that chose it (`Generation.top_logits`), so that a divergence between
+them can be told apart as rounding or as a bug (`specgen.draft.lossless`).
 """
 
 import time
@@ -21,6 +23,8 @@ from specgen.draft import methods
 from specgen.draft.model import Eagle3Draft
 from specgen.errors import SpecgenError
 from specgen.runtime.compat import cache_kwarg
+
+TOP_K = 20  # logits kept per generated token (ids and values of the row that chose it), for divergence diagnosis
 
 
 class TargetRunner:
@@ -58,10 +62,29 @@ class Generation:
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted in each verification round
     rounds_emitted: list[int] = field(default_factory=list)  # tokens emitted by each round (after the cut)
     seconds: float = 0.0
+    # Per generated token: (ids, logits) of the TOP_K highest logits of the row that chose it, highest first.
+    top_logits: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    # Speculative decoding only: the draft tokens each verification round fed the target after its first token.
+    drafted: list[list[int]] = field(default_factory=list)
 
     @property
     def verification_rounds(self) -> int:
         return len(self.accepted)
+
+
+def top_logits(rows: torch.Tensor) -> list[tuple[list[int], list[float]]]:
+    """For each row of logits [n, V]: (ids, values) of its TOP_K highest logits, highest first."""
+    values, ids = rows.float().topk(min(TOP_K, rows.shape[-1]), dim=-1)
+    return list(zip(ids.tolist(), values.tolist()))
+
+
+def accepted_count(drafted: list[int], greedy: list[int]) -> int:
+    """How many draft tokens a verification accepts: the longest prefix of `drafted` equal to the target's greedy
+    choices `greedy` (one per draft token, plus the bonus position after them)."""
+    accepted = 0
+    while accepted < len(drafted) and drafted[accepted] == greedy[accepted]:
+        accepted += 1
+    return accepted
 
 
 def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], bool]:
@@ -79,13 +102,15 @@ def greedy_generate(target: TargetRunner, prompt_ids: list[int], *, max_new_toke
     start = time.perf_counter()
     cache = DynamicCache()
     logits, _ = target.forward(prompt_ids, cache)
-    tokens = [int(logits[-1].argmax())]
+    tokens, tops = [int(logits[-1].argmax())], top_logits(logits[-1:])
     done = tokens[0] in eos_ids or max_new_tokens <= 1
     while not done:
         logits, _ = target.forward(tokens[-1:], cache)
         tokens.append(int(logits[-1].argmax()))
+        tops += top_logits(logits[-1:])
         tokens, done = _finish(tokens, max_new_tokens, eos_ids)
-    return Generation(tokens=tokens[:max_new_tokens], seconds=time.perf_counter() - start)
+    tokens = tokens[:max_new_tokens]
+    return Generation(tokens=tokens, seconds=time.perf_counter() - start, top_logits=tops[:len(tokens)])
 
 
 @torch.inference_mode()
@@ -99,7 +124,7 @@ def speculative_generate(target: TargetRunner, draft: Eagle3Draft, prompt_ids: l
     proposer = methods.of_model(draft).proposer(draft)
     cache = DynamicCache()
     logits, aux = target.forward(prompt_ids, cache)
-    result = Generation(tokens=[int(logits[-1].argmax())])
+    result = Generation(tokens=[int(logits[-1].argmax())], top_logits=top_logits(logits[-1:]))
     # Base entries still to add to the draft: (target aux hidden state at m, token at m+1) for verified m.
     pending_aux, pending_tokens = aux, prompt_ids[1:] + result.tokens
     verified = len(prompt_ids)  # tokens in the target cache
@@ -110,10 +135,10 @@ def speculative_generate(target: TargetRunner, draft: Eagle3Draft, prompt_ids: l
         verified_length = verified + 1  # tokens in the target cache once result.tokens[-1] is consumed
         logits, aux = target.forward([result.tokens[-1]] + drafted, cache)
         greedy = logits.argmax(-1).tolist()
-        accepted = 0
-        while accepted < num_draft_tokens and drafted[accepted] == greedy[accepted]:
-            accepted += 1
-        emitted = drafted[:accepted] + [greedy[accepted]]
+        accepted = accepted_count(drafted, greedy)
+        emitted = drafted[:accepted] + [greedy[accepted]]  # emitted[j] is chosen by row j of the verification
+        result.top_logits += top_logits(logits[: accepted + 1])
+        result.drafted.append(list(drafted))
         rejected = cache.get_seq_length() - (verified_length + accepted)  # keep x[p+1] and the accepted drafts
         if rejected:
             cache.crop(-rejected)  # a negative count removes that many tokens (transformers 4.x and 5.x alike)
@@ -124,5 +149,37 @@ def speculative_generate(target: TargetRunner, draft: Eagle3Draft, prompt_ids: l
         result.tokens, done = _finish(result.tokens + emitted, max_new_tokens, eos_ids)
         result.accepted.append(accepted)
         result.rounds_emitted.append(len(result.tokens) - before)
+    del result.top_logits[len(result.tokens):]
     result.seconds = time.perf_counter() - start
     return result
+
+
+@torch.inference_mode()
+def replayed_greedy(target: TargetRunner, prompt_ids: list[int], drafted: list[list[int]], *, max_new_tokens: int,
+                    eos_ids: set[int]) -> Generation:
+    """The target's greedy choices in a speculative run's own forward shapes (evaluate.reference=replay): the prompt,
+    then per round the last chosen token and that round's draft tokens (`Generation.drafted`) in one forward, keeping
+    the target's choices up to the first draft token it does not choose, the cache cut back to the chosen tokens by
+    absolute length. No draft runs. Its bookkeeping is its own, its forwards have the same shapes and cache contents
+    as a correct speculative run, so in any dtype it equals that run's output exactly. It shares the target and the
+    KV cache class with the run it checks: `greedy_generate` is the reference that checks those too."""
+    start = time.perf_counter()
+    cache = DynamicCache()
+    logits, _ = target.forward(prompt_ids, cache)
+    tokens, tops = [int(logits[-1].argmax())], top_logits(logits[-1:])
+    done = tokens[0] in eos_ids or max_new_tokens <= 1
+    for draft_tokens in drafted:
+        if done:
+            break
+        logits, _ = target.forward([tokens[-1]] + draft_tokens, cache)
+        for row, choice in enumerate(logits.argmax(-1).tolist()):
+            tokens.append(choice)
+            tops += top_logits(logits[row:row + 1])
+            if row == len(draft_tokens) or draft_tokens[row] != choice:
+                break
+        surplus = cache.get_seq_length() - (len(prompt_ids) + len(tokens) - 1)  # the last chosen token is not in yet
+        if surplus:
+            cache.crop(-surplus)
+        tokens, done = _finish(tokens, max_new_tokens, eos_ids)
+    tokens = tokens[:max_new_tokens]
+    return Generation(tokens=tokens, seconds=time.perf_counter() - start, top_logits=tops[:len(tokens)])

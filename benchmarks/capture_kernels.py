@@ -1,11 +1,11 @@
 """Capture throughput per batching and attention kernel, on one device, as a share of its measured GEMM peak.
 
-    python benchmarks/capture_kernels.py [--device cuda] [--dtype bfloat16] [--shape bench512|1b] [--rows 2000]
+    python benchmarks/capture_kernels.py [--device cuda] [--dtype bfloat16] [--shape bench512|1b|8b] [--rows 2000]
         [--max-length 2048] [--batch-tokens 16384] [--repeats 3]
 
 In one process, on one randomly initialised Llama of the chosen shape (its weights do not change the cost), the
 same rows (lengths drawn log-normally, seed 0, like chat data: median ~300 tokens, up to --max-length) are
-captured by:
+captured by (the model is built on --device in --dtype directly: an 8B shape is ready in seconds on a GPU):
   bare         the Hugging Face decoder stack alone (`model.model`), right-padded batches: the baseline
   padded       specgen's capture, right-padded batches (`capture.packing=false`)
   packed       specgen's capture, one packed row per batch, the attention kernel it picks (on CUDA in bf16/fp16:
@@ -35,6 +35,9 @@ SHAPES = {
                      num_key_value_heads=4),
     # Llama-3.2-1B's decoder shape
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8),
+    # Llama-3.1-8B's decoder shape
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8),
 }
 AUX_LAYERS = [1, 3, 5]
@@ -115,8 +118,10 @@ def main() -> None:
     config = transformers.LlamaConfig(vocab_size=4096, max_position_embeddings=max(4096, args.max_length),
                                       tie_word_embeddings=False, **SHAPES[args.shape])
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    model = model.to(args.device).eval()
+    # Built where it runs, in its dtype: initialising an 8B model on the CPU first took minutes before anything ran.
+    with torch.device(args.device):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    model = model.eval()
     capture = make_capture(model, AUX_LAYERS)
     lengths = row_lengths(args.rows, args.max_length)
     generator = torch.Generator().manual_seed(1)

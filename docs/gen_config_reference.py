@@ -141,7 +141,7 @@ def _value(value, key: str) -> str:
 def _type(spec: Key) -> str:
     text = spec.kind if not spec.items else f"list of {spec.items}"
     if spec.choices:
-        text = " / ".join(f"`{choice}`" for choice in spec.choices)
+        text = " / ".join(f"`{str(choice).lower() if isinstance(choice, bool) else choice}`" for choice in spec.choices)
     if spec.min is not None:
         text += f" ≥ {spec.min:g}"
     return text + (", or `null`" if spec.nullable else "")

@@ -29,7 +29,7 @@ from specgen.capture.outputs import SampleOutputs, logprob_statistics
 from specgen.capture.outputs import identity as output_identity
 from specgen.capture.packed import PackedSegments, PackingUnsupported
 from specgen.capture.positions import position_chunks
-from specgen.capture.reuse import capture_with_prefix_reuse, reuse_pays
+from specgen.capture.reuse import capture_with_prefix_reuse, resolve_prefix_reuse, reuse_pays
 from specgen.capture.target import CaptureOutput, config_hash, load_target
 from specgen.config import stage_main, to_container
 from specgen.data.batching import packed_batches, pad_right, token_budget_batches
@@ -74,6 +74,7 @@ class Target:
     outputs: SampleOutputs  # what each sample stores besides tokens: hidden states (bf16/fp8), logits, ...
     sample_filter: SampleFilter = SampleFilter()
     prefix_reuse: bool = False  # capture.prefix_reuse, where the backend can continue from a KV cache
+    prefix_reuse_note: str | None = None  # how capture.prefix_reuse was decided (auto: by device), for the summary
     packing: bool = False  # capture.packing, where the backend packs (turned off, with `packing_note`, if refused)
     packing_note: str | None = None  # why packing is off although capture.packing asked for it
 
@@ -110,12 +111,16 @@ def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
     capture = make_capture(model, aux_layers, compile=bool(cfg.capture.compile) and cfg.engine.name == "hf")
     if cfg.engine.name == "deepspeed":
         capture = ZeroCapture(capture, zero3_config, keepalive)
-    if cfg.capture.prefix_reuse and not capture.supports_kv:
-        log.warning("capture.prefix_reuse=true, but the %s capture backend with attn_implementation=%s cannot "
-                    "continue from a KV cache: every row is computed in full (prefix reuse needs a Llama-family "
-                    "model with model.attn_implementation=sdpa or eager)", capture.backend,
+    reuse, note = resolve_prefix_reuse(cfg.capture.prefix_reuse, device)
+    if reuse and not capture.supports_kv:
+        log.warning("%s, but the %s capture backend with attn_implementation=%s cannot continue from a KV cache: "
+                    "every row is computed in full (prefix reuse needs a Llama-family model with "
+                    "model.attn_implementation=sdpa or eager)", note, capture.backend,
                     model.config._attn_implementation)
-    target = target_for(cfg, tokenizer, capture, prefix_reuse=bool(cfg.capture.prefix_reuse) and capture.supports_kv)
+        note += f"; the {capture.backend} backend cannot continue from a KV cache"
+    log.info("prefix reuse %s (%s)", "on" if reuse and capture.supports_kv else "off", note)
+    target = target_for(cfg, tokenizer, capture, prefix_reuse=reuse and capture.supports_kv)
+    target.prefix_reuse_note = note
     if cfg.capture.packing and not capture.supports_packing:
         target.packing_note = f"the {capture.backend} capture backend does not pack sequences"
         log.warning("capture.packing=true, but %s: batches are padded", target.packing_note)
@@ -247,13 +252,14 @@ def with_output_columns(target: Target, rows: list[dict], device: torch.device, 
             count_top_tokens(top_counts, target, row["last_hidden_state"][None], [row["loss_mask"]], lm_head_chunk)
         return rows, padded
     longest = max(len(row["input_ids"]) for row in rows)
-    input_ids = torch.full((len(rows), longest), target.pad_id, dtype=torch.long, device=device)
+    input_ids = torch.full((len(rows), longest), target.pad_id, dtype=torch.long)  # moved once, below: no copy per row
     aux = rows[0]["aux_hidden_states"].new_zeros(len(rows), longest, rows[0]["aux_hidden_states"].shape[-1])
     last = rows[0]["last_hidden_state"].new_zeros(len(rows), longest, target.spec.hidden_size)
     for b, row in enumerate(rows):
         length = len(row["input_ids"])
-        input_ids[b, :length] = torch.tensor(row["input_ids"], device=device)
+        input_ids[b, :length] = torch.as_tensor(row["input_ids"])
         aux[b, :length], last[b, :length] = row.pop("aux_hidden_states"), row.pop("last_hidden_state")
+    input_ids = to_device(input_ids, device)
     count_top_tokens(top_counts, target, last, [row["loss_mask"] for row in rows], lm_head_chunk)
     target.outputs.add_columns(rows, CaptureOutput(aux_hidden_states=aux, last_hidden_state=last), input_ids)
     return rows, padded
@@ -438,6 +444,7 @@ def build_manifest(cfg: DictConfig, out_dir: Path, target: Target, tokenizer, id
 def prefix_reuse_report(cfg: DictConfig, target: Target, stats: dict) -> dict:
     """Tokens run through the target against tokens emitted, bytes stored against a flat layout's."""
     return {"enabled": target.prefix_reuse or bool(getattr(target.capture, "prefix_caching", False)),
+            "setting": cfg.capture.prefix_reuse, "decided": target.prefix_reuse_note,
             "min_tokens": cfg.capture.prefix_min_tokens,
             "store_prefix_once": target.spec.store_prefix_once,
             "tokens_computed": stats.get("tokens_computed", 0), "tokens_emitted": stats.get("tokens_emitted", 0),
@@ -463,6 +470,8 @@ def prefix_reuse_summary(report: dict) -> str:
     stored, flat = report["bytes_stored"], report["bytes_flat"]
     compute = (f"{computed:,} tokens computed for {emitted:,} emitted ({emitted / max(computed, 1):.2f}x fewer)"
                if report["enabled"] else "off: every row computed in full")
+    if report.get("decided"):  # how capture.prefix_reuse was decided (auto: by device)
+        compute += f" ({report['decided']})"
     storage = (f"{human_bytes(stored)} stored vs {human_bytes(flat)} flat ({flat / max(stored, 1):.2f}x smaller)"
                if report["store_prefix_once"] else "flat layout")
     return f"{compute}; {storage}"
@@ -588,7 +597,8 @@ def generate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease) -> di
                            cfg.pipeline.prefetch_units)
         with closing(units), BackgroundWriter(out_dir, target.spec, depth=cfg.pipeline.write_queue,
                                               on_batch=lambda tokens: monitor.add(tokens=tokens),
-                                              on_commit=lambda rows: monitor.add(rows=rows)) as writer:
+                                              on_commit=lambda rows: monitor.add(rows=rows),
+                                              writers=cfg.pipeline.writers) as writer:
             capture_units(cfg, units, target, writer, monitor, device, lease)
         job, seconds = monitor.finish()
     except BaseException as error:

@@ -20,7 +20,7 @@ from specgen.errors import SpecgenError
 
 @dataclass(frozen=True)
 class Key:
-    """One configuration key: `kind` is int, float, bool, str, str|int, str|list, list or dict (free-form, not
+    """One configuration key: `kind` is int, float, bool, str, str|int, bool|str, str|list, list or dict (free-form, not
     descended)."""
 
     kind: str
@@ -69,7 +69,7 @@ KEYS: dict[str, Key] = {
     "capture.pooled": _k("str", choices=("none", "mean", "mean_trainable", "last")),
     "capture.pooled_layer": _k("str|int"),  # last, or one of capture.aux_layers
     "capture.lm_head_chunk_tokens": _k("int", min=POSITIVE),
-    "capture.prefix_reuse": _k("bool"),
+    "capture.prefix_reuse": _k("bool|str", choices=("auto", True, False)),  # auto: on for the CPU, off for CUDA
     "capture.prefix_min_tokens": _k("int", min=POSITIVE),
     "capture.prefix_cache_tokens": _k("int", min=0),
     "capture.count_target_tokens": _k("bool"),
@@ -90,6 +90,7 @@ KEYS: dict[str, Key] = {
     "runtime.threads": _k("int", null=True, min=POSITIVE),
     "pipeline.prefetch_units": _k("int", min=0),
     "pipeline.write_queue": _k("int", min=POSITIVE),
+    "pipeline.writers": _k("int", min=POSITIVE),
     "pipeline.heartbeat_s": _k("float", min=0),
     "engine.name": _k("str", choices=("hf", "deepspeed", "vllm")),
     "engine.tensor_parallel_size": _k("int", min=POSITIVE),
@@ -260,13 +261,14 @@ def _check_value(name: str, value, spec: Key) -> None:
         for item in value:
             _check_kind(f"{name}[]", item, spec.items)
     if spec.choices and value not in spec.choices:
-        allowed = " | ".join(str(c) for c in spec.choices) + (" | null" if spec.nullable else "")
+        allowed = " | ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in spec.choices) + (
+            " | null" if spec.nullable else "")
         raise SpecgenError(f"{name}={value} is not one of {allowed}")
     if spec.min is not None and value < spec.min:
         raise SpecgenError(f"{name}={value} must be >= {spec.min}")
 
 
-_KINDS = {"int": int, "float": (int, float), "bool": bool, "str": str, "str|int": (str, int),
+_KINDS = {"int": int, "float": (int, float), "bool": bool, "str": str, "str|int": (str, int), "bool|str": (bool, str),
           "str|list": (str, list, tuple), "list": (list, tuple),
           "dict": dict}
 

@@ -33,10 +33,14 @@ def test_other_errors_pass_through_and_the_hash_is_sha256(tmp_path):
     assert content_hash(tmp_path / "x") == hashlib.sha256(b"abc" * 10_000_000).hexdigest()
 
 
-def test_hashing_file_checksum_equals_the_files_hash(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "helper_thread"])
+def test_hashing_file_checksum_equals_the_files_hash(tmp_path, background):
     path = tmp_path / "x"
-    with HashingFile(path) as sink:
-        for chunk in (b"", b"a" * 5, bytearray(b"b" * 70_000), memoryview(b"0123456789")[3:]):
+    large = bytes(range(256)) * (40_000 + 3)  # ~10 MiB: written and hashed in several pieces in the background
+    with HashingFile(path, background=background) as sink:
+        for chunk in (b"", b"a" * 5, bytearray(b"b" * 70_000), memoryview(b"0123456789")[3:], large):
             assert sink.write(chunk) == len(chunk)
-        assert sink.tell() == 5 + 70_000 + 7
-    assert sink.hexdigest() == content_hash(path) == hashlib.sha256(b"a" * 5 + b"b" * 70_000 + b"3456789").hexdigest()
+        sink.drain()
+        assert sink.tell() == 5 + 70_000 + 7 + len(large)
+    expected = hashlib.sha256(b"a" * 5 + b"b" * 70_000 + b"3456789" + large).hexdigest()
+    assert sink.hexdigest() == content_hash(path) == expected

@@ -18,12 +18,12 @@ from specgen import open_shards
 from specgen.assets import ASSETS_DIR
 from specgen.capture import load_target, make_capture
 from specgen.capture.kv import GroupedPast, PastKV
-from specgen.capture.reuse import MAX_PADDING, capture_with_prefix_reuse, reuse_pays
+from specgen.capture.reuse import MAX_PADDING, capture_with_prefix_reuse, resolve_prefix_reuse, reuse_pays
 from specgen.config import compose
 from specgen.data.prefixes import plan_prefixes
 from specgen.data.sample import TokenizedSample
 from specgen.errors import SpecgenError
-from specgen.generate import run
+from specgen.generate import prefix_reuse_summary, run
 from specgen.verify import relative_error
 from specgen.verify import run as verify
 
@@ -442,3 +442,47 @@ def test_reuse_runs_only_where_it_pays(tmp_path):
     assert report["enabled"] and report["tokens_computed"] == report["tokens_emitted"]
     generate(model, tmp_path / "full", data, "capture.prefix_reuse=false")
     assert_same_rows(rows_by_id(tmp_path / "reuse"), rows_by_id(tmp_path / "full"), exact=True)
+
+
+# --- capture.prefix_reuse=auto: decided by device ------------------------------------------------------------------
+
+def test_auto_reuses_prefixes_on_the_cpu_and_not_on_cuda():
+    """auto takes the path measured faster on each device: reuse on the CPU, full rows on CUDA (issue 40). No GPU is
+    needed: the decision is made from the device alone."""
+    assert resolve_prefix_reuse("auto", "cpu") == (True, "capture.prefix_reuse=auto on cpu: reuse is the faster "
+                                                         "path there")
+    assert resolve_prefix_reuse("auto", torch.device("cpu"))[0]
+    for device in ("cuda", "cuda:1", torch.device("cuda", 0)):
+        reuse, why = resolve_prefix_reuse("auto", device)
+        assert not reuse and why.startswith("capture.prefix_reuse=auto on cuda")
+    assert resolve_prefix_reuse(True, "cuda:0") == (True, "capture.prefix_reuse=true")  # true and false are kept
+    assert resolve_prefix_reuse(False, "cpu") == (False, "capture.prefix_reuse=false")
+    with pytest.raises(ValueError, match="true, false or auto"):
+        resolve_prefix_reuse("sometimes", "cpu")
+    assert compose("generate", [])["capture"]["prefix_reuse"] == "auto"  # the default
+    with pytest.raises(SpecgenError, match=r"capture.prefix_reuse=sometimes is not one of auto \| true \| false"):
+        compose("generate", ["capture.prefix_reuse=sometimes"])
+    with pytest.raises(SpecgenError, match="capture.prefix_reuse"):
+        compose("generate", ["capture.prefix_reuse=1"])
+    # what the summary says on a GPU (no reuse, and why)
+    _, why = resolve_prefix_reuse("auto", "cuda")
+    line = prefix_reuse_summary({"enabled": False, "decided": why, "tokens_computed": 10, "tokens_emitted": 10,
+                                 "bytes_stored": 1, "bytes_flat": 1, "store_prefix_once": False})
+    assert line.startswith("off: every row computed in full (capture.prefix_reuse=auto on cuda: full rows are the "
+                           "faster path there)")
+
+
+def test_auto_is_said_in_the_manifest_and_summary(tmp_path, capsys):
+    model = build_tiny_model("llama", tmp_path / "model", vocab_size=2048, tokenizer_dir=ASSETS_DIR / "tokenizer")
+    data = write_jsonl(tmp_path / "chat.jsonl", conversations([1, 2, 1], reasoning=False))
+    manifest = generate(model, tmp_path / "auto", data)
+    report = manifest["prefix_reuse"]
+    assert report["enabled"] and report["setting"] == "auto"
+    assert report["decided"] == "capture.prefix_reuse=auto on cpu: reuse is the faster path there"
+    assert report["tokens_computed"] < report["tokens_emitted"]
+    summary = capsys.readouterr().out
+    assert "(capture.prefix_reuse=auto on cpu: reuse is the faster path there)" in summary
+    manifest = generate(model, tmp_path / "off", data, "capture.prefix_reuse=false")
+    assert not manifest["prefix_reuse"]["enabled"] and manifest["prefix_reuse"]["setting"] is False
+    assert "off: every row computed in full (capture.prefix_reuse=false)" in capsys.readouterr().out
+    assert_same_rows(rows_by_id(tmp_path / "auto"), rows_by_id(tmp_path / "off"))

@@ -143,6 +143,21 @@ def test_exception_inside_writer_leaves_no_files(tmp_path):
     assert finished_shards(tmp_path) == {}
 
 
+def test_rows_back_to_back_in_memory_are_handed_over_without_a_copy():
+    from specgen.store.writer import _joined
+
+    packed = torch.arange(40, dtype=torch.float32).view(10, 4)  # one packed capture: rows are consecutive slices
+    view = _joined([packed[0:3], packed[3:3], packed[3:7]])
+    assert view.data_ptr() == packed.data_ptr() and torch.equal(view, packed[:7].reshape(-1))
+    assert _joined([packed[2:10]]).data_ptr() == packed[2].data_ptr()
+    assert _joined([packed[0:3], packed[4:7]]) is None  # a gap: the sample filter dropped a row
+    assert _joined([packed[3:5], packed[0:3]]) is None  # out of order
+    padded = torch.zeros(2, 5, 4)
+    assert _joined([padded[0, :3], padded[1, :2]]) is None  # padding between the rows
+    assert _joined([torch.zeros(3, 4), torch.zeros(2, 4)]) is None  # separate tensors
+    assert _joined([torch.zeros(0, 4)]) is None
+
+
 def test_invalid_rows_are_rejected_with_the_sample_id(tmp_path):
     spec = ShardSpec(hidden_size=4, num_aux=1, dtype="bfloat16")
     wrong_dtype = make_rows(spec, [3])

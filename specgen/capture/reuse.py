@@ -137,7 +137,7 @@ class _UnitRun:
         keep = any(item.node is not None for item in batch)
         past = self._grouped_past(batch, keep)
         result = self.capture(input_ids.to(self.device), torch.tensor(lengths), past=past, keep_kv=keep)
-        aux, last = result.aux_hidden_states.cpu(), result.last_hidden_state.cpu()
+        aux, last = _to_host(result.aux_hidden_states, result.last_hidden_state)
         for b, item in enumerate(batch):
             if item.node is not None:
                 n = len(item)
@@ -175,6 +175,16 @@ class _UnitRun:
                 "last_hidden_state": torch.cat([last for _, last in parts])}
 
 
+def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors on the CPU with one wait for the device: on CUDA every copy is queued (into pinned memory) and
+    the stream synchronized once, instead of one blocking `.cpu()` per tensor. The same values either way."""
+    if tensors[0].device.type != "cuda":
+        return [tensor.cpu() for tensor in tensors]
+    host = [tensor.to("cpu", non_blocking=True) for tensor in tensors]
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return host
+
+
 # A batch's padded tokens stay within this share of its real tokens, so a unit forwards at most 1.05 tokens per
 # token computed. 0.05 also ran faster than 0.1 (glaive, 200 rows: 41-42 s vs 45-52 s; docs/concepts/prefix-reuse.md).
 MAX_PADDING = 0.05
@@ -183,6 +193,25 @@ MAX_PADDING = 0.05
 # costs (a level's batches split from the next, two attention calls merged per layer, rows assembled from parts)
 # outweigh the saving, and the plain path gives the same rows (docs/concepts/prefix-reuse.md, the reuse rule).
 MIN_SAVING = 0.05
+
+
+# capture.prefix_reuse=auto reuses prefixes on these device types only: where it measured faster than full rows. The
+# CPU: 1.1-1.3x faster (docs/concepts/prefix-reuse.md). CUDA: 2.5x SLOWER (H200, Llama-3.1-8B shape, 600 alpaca rows,
+# issue 40): its per-group attention falls back to masked SDPA calls and its per-batch work is small and synchronous.
+AUTO_REUSE_DEVICES = ("cpu",)
+
+
+def resolve_prefix_reuse(setting: bool | str, device: torch.device | str) -> tuple[bool, str]:
+    """capture.prefix_reuse (true, false or auto) decided for the runtime `device`: (reuse, why), the why for the
+    run's log line and summary. auto reuses on the device types of AUTO_REUSE_DEVICES (the CPU) and not elsewhere."""
+    device = torch.device(device)
+    if isinstance(setting, str):
+        if setting != "auto":
+            raise ValueError(f"capture.prefix_reuse={setting!r}: use true, false or auto")
+        reuse = device.type in AUTO_REUSE_DEVICES
+        faster = "reuse is the faster path there" if reuse else "full rows are the faster path there"
+        return reuse, f"capture.prefix_reuse=auto on {device.type}: {faster}"
+    return bool(setting), f"capture.prefix_reuse={str(bool(setting)).lower()}"
 
 
 def reuse_pays(plan: PrefixPlan) -> bool:

@@ -10,7 +10,8 @@ A write that fails because the disk (or a quota, or a file-size limit) is full b
 error naming the directory and the bytes needed; the temporary file is deleted, so nothing half-written stays.
 
 `content_hash` is the checksum recorded for shards, parts and checkpoint files (sha256 of the bytes);
-`HashingFile` computes the same checksum while a file is written, so a large shard is not read back to hash it.
+`HashingFile` computes the same checksum while a file is written, so a large shard is not read back to hash it
+(with `background=True` on a helper thread, so hashing and writing run on two cores at once).
 """
 
 import errno
@@ -18,8 +19,10 @@ import hashlib
 import io
 import json
 import os
+import queue
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,6 +33,7 @@ from specgen.errors import SpecgenError
 TMP_SUFFIX = ".tmp"
 HASH_ALGORITHM = "sha256"
 _CHUNK = 8 << 20
+_SLICE = 4 << 20  # HashingFile(background=True): bytes written and hashed together, a cache-sized piece
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _DISK_FULL_TEXT = ("No space left", "Disk quota exceeded", "File too large")
 
@@ -68,35 +72,74 @@ def content_hash(path: str | Path) -> str:
 
 class HashingFile(io.RawIOBase):
     """A new file opened for writing that hashes its bytes as they are written: `hexdigest()` equals
-    `content_hash(path)` of the finished file. Write-only and sequential (no seek), as Arrow's file writer is."""
+    `content_hash(path)` of the finished file. Write-only and sequential (no seek), as Arrow's file writer is.
 
-    def __init__(self, path: str | Path):
+    background=True: the bytes are hashed on a helper thread while this one writes them (both release the GIL), in
+    `_SLICE` pieces so that both read a piece while it is still in the CPU cache. The caller must not change a
+    buffer it passed to `write` until `drain()` returns (`hexdigest()` and `close()` drain first).
+    """
+
+    def __init__(self, path: str | Path, *, background: bool = False):
         super().__init__()
         self._file = open(path, "wb", buffering=0)  # noqa: SIM115 (closed by close())
         self._digest = hashlib.new(HASH_ALGORITHM)
         self._size = 0
+        self._pending: queue.SimpleQueue | None = None
+        if background:
+            self._pending = queue.SimpleQueue()
+            self._hasher = threading.Thread(target=self._hash_pending, name="specgen-hash", daemon=True)
+            self._hasher.start()
 
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
+        if self._pending is None:
+            self._write_all(view)
+            self._digest.update(view)  # releases the GIL for large buffers
+        else:
+            for start in range(0, len(view), _SLICE):
+                piece = view[start:start + _SLICE]
+                self._pending.put(piece)  # hashed on the helper thread while this one writes it
+                self._write_all(piece)
+        self._size += len(view)
+        return len(view)
+
+    def _write_all(self, view: memoryview) -> None:
         written = 0
         while written < len(view):  # a raw write may be partial
             written += self._file.write(view[written:])
-        self._digest.update(view)  # releases the GIL for large buffers
-        self._size += written
-        return written
+
+    def _hash_pending(self) -> None:
+        while (item := self._pending.get()) is not None:
+            if isinstance(item, threading.Event):
+                item.set()
+            else:
+                self._digest.update(item)
+
+    def drain(self) -> None:
+        """Wait until every byte written so far is hashed (then the written buffers may change)."""
+        if self._pending is not None and self._hasher.is_alive():
+            hashed = threading.Event()
+            self._pending.put(hashed)
+            hashed.wait()
 
     def tell(self) -> int:
         return self._size
 
     def close(self) -> None:
         if not self.closed:
-            self._file.close()
+            try:
+                self._file.close()
+            finally:
+                if self._pending is not None and self._hasher.is_alive():
+                    self._pending.put(None)  # hashes what is queued, then ends
+                    self._hasher.join()
         super().close()
 
     def hexdigest(self) -> str:
+        self.drain()
         return self._digest.hexdigest()
 
 

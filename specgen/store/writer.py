@@ -31,16 +31,30 @@ def sidecar_name(index: int) -> str:
     return f"shard-{index:05d}.json"
 
 
-def _column_array(column: Column, values: list, sample_ids: list[str]) -> pa.Array:
-    """Build one column of a record batch from per-row values with a single copy into Arrow.
+def _column_array(column: Column, values: list, sample_ids: list[str], join_views: bool = False,
+                  scratch: dict[str, torch.Tensor] | None = None) -> pa.Array:
+    """Build one column of a record batch from per-row values with at most one copy into Arrow.
 
-    Rows are concatenated once (Arrow wants one contiguous values buffer per batch); the
-    tensor is then reinterpreted as its storage dtype and handed to Arrow without another copy.
+    Rows are concatenated once (Arrow wants one contiguous values buffer per batch), or not at all where they
+    already lie back to back in one tensor (`_joined`; join_views=False always copies); the tensor is then
+    reinterpreted as its storage dtype and handed to Arrow without another copy. Given `scratch` (column name ->
+    tensor), the concatenation reuses the buffer the previous batch used, whose pages are already mapped (a fresh
+    one costs as much again in page faults); the caller must be done with the previous batch.
     """
     if column.dtype is str:
         return pa.array(values, pa.string())
     tensors = [_checked_tensor(column, value, sample_id) for value, sample_id in zip(values, sample_ids)]
-    flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+    flat = _joined(tensors) if join_views else None
+    if flat is None:
+        parts = [tensor.reshape(-1) for tensor in tensors]
+        if scratch is None:
+            flat = torch.cat(parts)
+        else:
+            total = sum(part.numel() for part in parts)
+            buffer = scratch.get(column.name)
+            if buffer is None or buffer.numel() < total or buffer.dtype != parts[0].dtype:
+                buffer = scratch[column.name] = torch.empty(total, dtype=parts[0].dtype)
+            flat = torch.cat(parts, out=buffer[:total])
     array = pa.array(flat.view(column.storage_dtype).numpy())
     if column.width is not None:
         array = pa.FixedSizeListArray.from_arrays(array, column.width)
@@ -49,6 +63,22 @@ def _column_array(column: Column, values: list, sample_ids: list[str]) -> pa.Arr
         offsets = pa.array(lengths.cumsum(0).to(torch.int32).numpy())
         array = pa.ListArray.from_arrays(offsets, array)
     return array
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The rows' values as one flat view, without a copy, when they lie back to back in one storage: the rows of a
+    packed batch are consecutive slices of one captured tensor. None when they do not (a copy is needed)."""
+    present = [tensor for tensor in tensors if tensor.numel()]
+    if not present:
+        return None
+    first, end = present[0], present[0].data_ptr()
+    storage = first.untyped_storage().data_ptr()
+    for tensor in present:  # contiguous (`_checked_tensor`), one dtype; each must start where the previous ends
+        if tensor.data_ptr() != end or tensor.untyped_storage().data_ptr() != storage:
+            return None
+        end += tensor.numel() * tensor.element_size()
+    total = sum(tensor.numel() for tensor in present)
+    return first.as_strided((total,), (1,))
 
 
 def _checked_tensor(column: Column, value: Any, sample_id: str) -> torch.Tensor:
@@ -80,9 +110,15 @@ class ShardWriter:
 
     Leaving the context without a commit (an exception, or simply never committing) deletes the
     partial file, so an unfinished shard never appears under its final name.
+
+    The file's bytes do not depend on the two speed switches (False: the path before issue #40): `overlap_hash`
+    hashes the bytes on a helper thread while this one writes them (`HashingFile(background=True)`; False: one after
+    the other, in this thread), and `fewer_copies` hands rows that lie back to back in memory (a packed batch) to
+    Arrow without concatenating them, and concatenates other rows into the buffer the previous batch used.
     """
 
-    def __init__(self, out_dir: str | Path, shard_index: int, spec: ShardSpec):
+    def __init__(self, out_dir: str | Path, shard_index: int, spec: ShardSpec, *, overlap_hash: bool = True,
+                 fewer_copies: bool = True):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.index = shard_index
@@ -91,8 +127,11 @@ class ShardWriter:
         self.tmp_path = tmp_path(self.path)
         self._schema = arrow_schema(spec)
         self._columns = columns(spec)
+        self._fewer_copies = fewer_copies
+        self._scratch: dict[str, torch.Tensor] | None = {} if fewer_copies else None  # reused by each batch
         with disk_errors(self.out_dir, 1 << 16):
-            self._file = HashingFile(self.tmp_path)  # the checksum is computed as the bytes are written
+            # The checksum is computed as the bytes are written.
+            self._file = HashingFile(self.tmp_path, background=overlap_hash)
             self._sink = pa.PythonFile(self._file, mode="w")
             # No compression: shards are memory-mapped by the reader, which needs the raw bytes.
             self._writer = pa.ipc.new_file(self._sink, self._schema)
@@ -117,12 +156,15 @@ class ShardWriter:
         sample_ids = [row["sample_id"] for row in rows]
         for row in rows:
             self._check_token_counts(row)
-        arrays = [_column_array(column, [row[column.name] for row in rows], sample_ids)
-                  for column in self._columns]
+        arrays = [_column_array(column, [row[column.name] for row in rows], sample_ids, self._fewer_copies,
+                                self._scratch) for column in self._columns]
         batch = pa.RecordBatch.from_arrays(arrays, schema=self._schema)
         # A full disk: a one-line error naming the directory and what this shard needs (the tmp file is deleted).
         with disk_errors(self.out_dir, lambda: self._sink.tell() + batch.nbytes):
-            self._writer.write_batch(batch)
+            try:
+                self._writer.write_batch(batch)
+            finally:
+                self._file.drain()  # the batch may share the caller's memory: hashed before the caller gets it back
 
     def _check_token_counts(self, row: dict) -> None:
         counts = {column.name: len(row[column.name]) + (int(row["prefix_len"]) if column.suffix_only else 0)

@@ -1,6 +1,7 @@
-"""specgen: EAGLE-3 draft training data and training.
+"""specgen: training data and training for speculative-decoding drafts.
 
-Stages (Hydra apps): `python -m specgen.generate`, `specgen.train`, `specgen.evaluate`, `specgen.verify`.
+Stages (Hydra apps, `specgen.cli.STAGES`), each `specgen STAGE ...` or `python -m specgen.STAGE ...`: generate, train,
+evaluate, verify, regenerate, export, capture_server (`specgen --help` says what each does).
 Library entry point for readers: `specgen.open_shards(path)`.
 """
 

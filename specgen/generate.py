@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specgen.capture import TargetCapture, make_capture
-from specgen.capture.layers import default_aux_layers, validate_aux_layers
+from specgen.capture.layers import resolve_aux_layers
 from specgen.capture.outputs import SampleOutputs, logprob_statistics
 from specgen.capture.outputs import identity as output_identity
 from specgen.capture.packed import PackedSegments, PackingUnsupported
@@ -97,10 +97,7 @@ def load_capture(cfg: DictConfig, tokenizer, device: torch.device) -> Target:
     else:
         raise SpecgenError(f"engine={cfg.engine.name} is unknown; use engine=hf (the default), engine=deepspeed "
                            "or engine=vllm")
-    num_layers = model.config.get_text_config().num_hidden_layers
-    requested = cfg.capture.aux_layers
-    aux_layers = (default_aux_layers(num_layers) if requested is None
-                  else validate_aux_layers(list(requested), num_layers))
+    aux_layers = resolve_aux_layers(cfg.capture.aux_layers, model.config.get_text_config().num_hidden_layers)
     positions = positions_of(model.config.get_text_config())
     if positions and cfg.data.max_length > positions:
         log.warning("data.max_length=%d is past the target's %d positions (max_position_embeddings): tokens past "

@@ -29,7 +29,7 @@ import transformers
 from omegaconf import DictConfig
 
 from specgen.capture import make_capture
-from specgen.capture.layers import default_aux_layers, validate_aux_layers
+from specgen.capture.layers import resolve_aux_layers
 from specgen.capture.target import config_hash, load_target
 from specgen.config import stage_main, to_container
 from specgen.data.prompts import read_prompts
@@ -403,9 +403,7 @@ def _tokenized(cfg: DictConfig) -> tuple[transformers.PreTrainedTokenizerBase, l
 
 def _aux_layers(cfg: DictConfig, config: transformers.PretrainedConfig) -> list[int]:
     """`capture.aux_layers`, checked against the target's depth; null: the EAGLE-3 default."""
-    num_layers = config.get_text_config().num_hidden_layers
-    requested = cfg.capture.aux_layers
-    return default_aux_layers(num_layers) if requested is None else validate_aux_layers(list(requested), num_layers)
+    return resolve_aux_layers(cfg.capture.aux_layers, config.get_text_config().num_hidden_layers)
 
 
 def _pad_id(tokenizer) -> int:

@@ -16,13 +16,13 @@ import logging
 import transformers
 
 from specgen.capture.generic import HookCapture
-from specgen.capture.layers import default_aux_layers, validate_aux_layers
+from specgen.capture.layers import default_aux_layers, resolve_aux_layers, validate_aux_layers
 from specgen.capture.llama import LLAMA_FAMILY, LlamaFamilyCapture
 from specgen.capture.target import CaptureOutput, TargetCapture, config_hash, load_target
 
 __all__ = [
     "CaptureOutput", "TargetCapture", "config_hash", "default_aux_layers", "load_target", "make_capture",
-    "validate_aux_layers",
+    "resolve_aux_layers", "validate_aux_layers",
 ]
 
 log = logging.getLogger(__name__)

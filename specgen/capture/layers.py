@@ -32,6 +32,11 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return layers
 
 
+def resolve_aux_layers(requested: Sequence[int] | None, num_layers: int) -> list[int]:
+    """`capture.aux_layers` (`requested`) checked against a `num_layers`-layer target; None: the EAGLE-3 default."""
+    return default_aux_layers(num_layers) if requested is None else validate_aux_layers(list(requested), num_layers)
+
+
 def validate_aux_layers(layers: Sequence[int], num_layers: int) -> list[int]:
     """Check user-given aux layers against a target with `num_layers` decoder layers.
 

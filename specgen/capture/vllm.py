@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import transformers
 
-from specgen.capture.layers import default_aux_layers, validate_aux_layers
+from specgen.capture.layers import resolve_aux_layers
 from specgen.capture.target import DTYPES, CaptureOutput, TargetCapture
 from specgen.errors import SpecgenError
 from specgen.runtime.dtype import resolve_model_dtype
@@ -314,11 +314,8 @@ def load_vllm_capture(settings: VllmCaptureSettings) -> VllmCapture:
     """The generate stage's capture for engine=vllm: options checked first (before the engine starts)."""
     require_vllm()
     check_options(settings)
-    requested = settings.aux_layers
     text_config = transformers.AutoConfig.from_pretrained(settings.path).get_text_config()
-    num_layers = text_config.num_hidden_layers
-    aux_layers = default_aux_layers(num_layers) if requested is None else validate_aux_layers(list(requested),
-                                                                                            num_layers)
+    aux_layers = resolve_aux_layers(settings.aux_layers, text_config.num_hidden_layers)
     engine = settings.engine
     max_model_len = capture_model_len(settings.max_length, engine.get("max_model_len"),
                                       getattr(text_config, "max_position_embeddings", None))

@@ -41,7 +41,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from specgen.draft.model import ReducedVocabHead
+from specgen.draft.model import ReducedVocabHead, aux_layers_of
 from specgen.draft.target_head import TargetDistribution
 from specgen.draft.ttt import (
     MASK_SHIFTS,
@@ -73,10 +73,6 @@ def vllm_eagle_aux_ids(layer_ids: list[int]) -> list[int]:
     """What vLLM 0.32 makes of `target_layer_ids` (`get_eagle3_aux_layers_from_config`: id + 1, the residual stream
     entering layer id + 1 in `llama.py`). Stated here so a test can hold it against vLLM's own function."""
     return [int(i) + 1 for i in layer_ids]
-
-
-def aux_layers_of(config: transformers.PretrainedConfig) -> list[int]:
-    return [int(i) for i in config.dflash_config["target_layer_ids"]]
 
 
 def dflash_config(target_config: transformers.PretrainedConfig, *, aux_layers: list[int], draft_vocab_size: int,

@@ -23,7 +23,8 @@ import torch
 import transformers
 
 from specgen.draft import exports, methods
-from specgen.draft.dflash import METHOD, DFlashDraft, aux_layers_of
+from specgen.draft.dflash import METHOD, DFlashDraft
+from specgen.draft.model import aux_layers_of
 from specgen.errors import SpecgenError
 from specgen.store.commit import checksum_problems
 

@@ -20,8 +20,6 @@ from torch import nn
 from specgen.errors import SpecgenError
 from specgen.store.commit import atomic_write
 
-BACKENDS = ("ddp", "deepspeed")
-
 
 class Strategy(ABC):
     """A model + optimizer + scheduler, replicated over the processes of the run."""

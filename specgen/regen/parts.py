@@ -11,8 +11,8 @@ import json
 import re
 from pathlib import Path
 
-from specgen.errors import SpecgenError
-from specgen.store.commit import commit_unit, disk_errors, numbered_files, tmp_path
+from specgen.store.commit import (commit_unit, disk_errors, numbered_files, read_unit_sidecar, remove_unfinished,
+                                  tmp_path)
 
 _PART = re.compile(r"part-(\d{5,})\.jsonl")
 _SIDECAR = re.compile(r"part-(\d{5,})\.json")
@@ -52,18 +52,8 @@ def finished_parts(out_dir: str | Path) -> dict[int, Path]:
 def remove_partial(out_dir: str | Path) -> list[Path]:
     """Delete what a killed run left behind (`*.tmp` files, sidecars without their part) and return it."""
     out_dir = Path(out_dir)
-    if not out_dir.is_dir():
-        return []
-    finished = finished_parts(out_dir)
-    leftovers = sorted(out_dir.glob("*.tmp"))
-    leftovers += [path for unit, path in numbered_files(out_dir, _SIDECAR).items() if unit not in finished]
-    for path in leftovers:
-        path.unlink()
-    return leftovers
+    return remove_unfinished(out_dir, _SIDECAR, finished_parts(out_dir)) if out_dir.is_dir() else []
 
 
 def read_sidecar(out_dir: str | Path, unit: int) -> dict:
-    path = Path(out_dir) / sidecar_name(unit)
-    if not path.exists():
-        raise SpecgenError(f"no sidecar {path}: part {unit} did not finish; re-run the same command to resume")
-    return json.loads(path.read_text())
+    return read_unit_sidecar(Path(out_dir) / sidecar_name(unit), f"part {unit}")

@@ -23,7 +23,7 @@ import queue
 import re
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -225,6 +225,25 @@ def numbered_files(directory: Path, pattern: re.Pattern) -> dict[int, Path]:
     """Files of `directory` whose name fully matches `pattern` (group 1: the number), by number."""
     found = {int(match.group(1)): path for path in directory.iterdir() if (match := pattern.fullmatch(path.name))}
     return dict(sorted(found.items()))
+
+
+def remove_unfinished(directory: Path, sidecar_pattern: re.Pattern, finished: dict[int, Path],
+                      damaged: Iterable[Path] = ()) -> list[Path]:
+    """Delete what a killed run left in `directory` and return it: `*.tmp` files, the sidecars (`sidecar_pattern`)
+    of units not in `finished`, and the `damaged` files the caller found."""
+    leftovers = sorted(directory.glob("*" + TMP_SUFFIX))
+    leftovers += [path for unit, path in numbered_files(directory, sidecar_pattern).items() if unit not in finished]
+    leftovers += damaged
+    for path in leftovers:
+        path.unlink()
+    return leftovers
+
+
+def read_unit_sidecar(path: Path, unit: str) -> dict:
+    """A finished unit's sidecar at `path`; `unit` names the unit ("shard 3") in the error when it is missing."""
+    if not path.exists():
+        raise SpecgenError(f"no sidecar {path}: {unit} did not finish; re-run the same command to resume")
+    return json.loads(path.read_text())
 
 
 def commit_unit(tmp: Path, path: Path, sidecar_path: Path, sidecar: dict, checksum: str | None = None) -> dict:

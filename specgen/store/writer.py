@@ -7,7 +7,6 @@ which `finished_shards` ignores and `remove_partial` deletes, so re-running the 
 resumes from the shards that are finished.
 """
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,8 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from specgen.errors import SpecgenError
-from specgen.store.commit import HashingFile, commit_unit, disk_errors, numbered_files, tmp_path, write_json_atomic
+from specgen.store.commit import (HashingFile, commit_unit, disk_errors, numbered_files, read_unit_sidecar,
+                                  remove_unfinished, tmp_path)
 from specgen.store.columns import Column, ShardSpec, arrow_schema, columns
 
 _SHARD_PATTERN = re.compile(r"shard-(\d{5,})\.arrow")
@@ -226,17 +225,10 @@ def remove_partial(out_dir: str | Path) -> list[Path]:
     if not out_dir.is_dir():
         return []
     finished = finished_shards(out_dir)
-    leftovers = sorted(out_dir.glob("*.tmp"))
-    leftovers += [path for index, path in numbered_files(out_dir, _SIDECAR_PATTERN).items() if index not in finished]
-    leftovers += [path for index, path in numbered_files(out_dir, _SHARD_PATTERN).items() if index not in finished
-                  and not _footer_opens(path)]
-    for path in leftovers:
-        path.unlink()
-    return leftovers
+    damaged = [path for index, path in numbered_files(out_dir, _SHARD_PATTERN).items() if index not in finished
+               and not _footer_opens(path)]
+    return remove_unfinished(out_dir, _SIDECAR_PATTERN, finished, damaged)
 
 
 def read_sidecar(out_dir: str | Path, index: int) -> dict:
-    path = Path(out_dir) / sidecar_name(index)
-    if not path.exists():
-        raise SpecgenError(f"no sidecar {path}: shard {index} did not finish; re-run the same command to resume")
-    return json.loads(path.read_text())
+    return read_unit_sidecar(Path(out_dir) / sidecar_name(index), f"shard {index}")

@@ -37,17 +37,23 @@ def random_draft(model) -> Eagle3Draft:
     return draft.to(model.dtype).eval()
 
 
+def held_out(count: int) -> tuple[set[int], list[tuple[str, list[int]]]]:
+    """(the end-of-sequence ids, [(id, first-turn prompt ids)] of the first `count` held-out prompts)."""
+    tokenizer = load_tokenizer(TARGET)
+    return {tokenizer.eos_token_id}, [(prompt.id, chat_prompt_ids(tokenizer, prompt.first_turn_messages()))
+                                      for prompt in read_prompts(str(PROMPTS), count)]
+
+
 def decode_all(model, draft, count: int, max_new_tokens: int = 48) -> list[dict]:
     """Greedy and speculative decoding of the first `count` held-out prompts; one evaluate-style sample each."""
-    tokenizer = load_tokenizer(TARGET)
     runner = TargetRunner(model, AUX)
+    eos, prompts = held_out(count)
     samples = []
-    for prompt in list(read_prompts(str(PROMPTS), count)):
-        ids = chat_prompt_ids(tokenizer, prompt.first_turn_messages())
-        reference = greedy_generate(runner, ids, max_new_tokens=max_new_tokens, eos_ids={tokenizer.eos_token_id})
+    for prompt_id, ids in prompts:
+        reference = greedy_generate(runner, ids, max_new_tokens=max_new_tokens, eos_ids=eos)
         result = speculative_generate(runner, draft, ids, num_draft_tokens=4, max_new_tokens=max_new_tokens,
-                                      eos_ids={tokenizer.eos_token_id})
-        samples.append({"id": prompt.id, "turn": 0, "matches_target_greedy": result.tokens == reference.tokens,
+                                      eos_ids=eos)
+        samples.append({"id": prompt_id, "turn": 0, "matches_target_greedy": result.tokens == reference.tokens,
                         "divergence": diagnose(model, ids, reference, result, model.dtype)})
     return samples
 
@@ -182,15 +188,14 @@ def test_evaluate_stage_reports_the_verdict_in_bf16(tmp_path, one_thread):
 
 def replay_all(model, draft, count: int, max_new_tokens: int = 48) -> list[bool]:
     """Per held-out prompt: does the speculative output equal the greedy choices replayed in its own shapes?"""
-    tokenizer = load_tokenizer(TARGET)
     runner = TargetRunner(model, AUX)
+    eos, prompts = held_out(count)
     equal = []
-    for prompt in list(read_prompts(str(PROMPTS), count)):
-        ids = chat_prompt_ids(tokenizer, prompt.first_turn_messages())
+    for _, ids in prompts:
         result = speculative_generate(runner, draft, ids, num_draft_tokens=4, max_new_tokens=max_new_tokens,
-                                      eos_ids={tokenizer.eos_token_id})
+                                      eos_ids=eos)
         replayed = speculative.replayed_greedy(runner, ids, result.drafted, max_new_tokens=max_new_tokens,
-                                               eos_ids={tokenizer.eos_token_id})
+                                               eos_ids=eos)
         equal.append(replayed.tokens == result.tokens)
     return equal
 

@@ -190,7 +190,8 @@ def setup(model: Path, args, work: Path, *extra: str):
     from specgen.data.template import ChatTemplateTokenizer
     from specgen.ranks import init_workers
     from specgen.data.sources import work_units
-    from specgen.generate import load_capture, prepare_unit
+    from specgen.capture.loading import load_capture
+    from specgen.capture.units import prepare_unit
     from specgen.runtime import load_tokenizer
 
     cfg = compose("generate", generate_args(model, work, args, *extra))
@@ -208,7 +209,7 @@ def timed_loop(cfg, workers, target, units, writer_factory) -> float:
     from contextlib import nullcontext
 
     from specgen.ranks.monitor import JobMonitor
-    from specgen.generate import capture_units
+    from specgen.capture.units import capture_units
 
     monitor = JobMonitor(workers, None, enabled=False, heartbeat_s=2.0)
     units = copy.deepcopy(units)  # capture_units adds to each unit's stats

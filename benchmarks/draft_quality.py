@@ -46,8 +46,8 @@ def load_pair(draft_path: str, device: str = "cpu"):
     is the draft config's `specgen.target.path` (the bundled tiny target when it names none)."""
     from specgen.assets import ASSETS_DIR
     from specgen.capture.target import load_target
+    from specgen.draft.aux import aux_layers_of
     from specgen.draft.checkpoint import load_draft, read_raw_config, specgen_info
-    from specgen.draft.model import aux_layers_of
     from specgen.draft.speculative import TargetRunner
     from specgen.runtime import load_tokenizer
 

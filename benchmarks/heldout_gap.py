@@ -25,10 +25,10 @@ import torch
 
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # this checkout's specgen, before an installed one
 from draft_quality import acceptance, load_pair  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 from specgen.data.prompts import chat_prompt_ids  # noqa: E402
-from specgen.draft.model import DraftKV  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
+from specgen.methods.eagle3.model import DraftKV
 
 
 def alpaca_rows(path: Path, start: int, count: int) -> list[dict]:

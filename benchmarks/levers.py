@@ -52,21 +52,33 @@ the target alone's in vLLM (eval/target.json: lossless). specgen's decoding then
 drafts on the first --check-prompts prompts, which vLLM also serves, and the table below says whether both
 counted the same drafts and accepted tokens there.
 
---set KEY=VALUE goes to every stage (regenerate, generate, train) whose configuration holds KEY's parent, e.g.
-runtime.device=cuda to all three, train.precision=fp32 to train only, regenerate.max_new_tokens=48 to regenerate
-only; a key no stage has is an error. Every command is checked against specgen's schema before anything runs.
+Every regenerate, generate and train step is one `specgen run` (python -m specgen.run recipe=R run.dir=D
+run.stages=[STAGE] ...; docs/guides/run.md) of one stage, whose folder D/01-STAGE is what later steps read: a
+regenerate run's folder is generate's data.path, a generate run's is train's data.shards (and speculators'
+--shards), a train run's is the draft that is evaluated and served. R is --recipe (its run.overrides apply
+to the entries a run lists: a [generate] run gets generate's, replaced by the data.path levers passes). --set KEY=VALUE goes to every stage (regenerate,
+generate, train) whose configuration holds KEY's parent, e.g. runtime.device=cuda to all three,
+train.precision=fp32 to train only, regenerate.max_new_tokens=48 to regenerate only; a key no stage has is an
+error. Every run's plan is made (specgen.runner.make_plan: its stage's config composed and checked against
+specgen's schema) before anything runs.
 
 Prints, per lever and trainer, acceptance mean ± std over seeds with each seed's value at every K (with --counter
 vllm also vLLM's tokens/s and the share of rounds accepting each draft position), then the wall seconds of every
-stage. DIR keeps everything: data/{regenerated,resampled,redrawn,resampled-redrawn,synthesized}/ and
-data/mixed.jsonl, shards/LEVER/, drafts/LEVER-TRAINER-seedS/, eval/LEVER-TRAINER-seedS/ (kK.json, turns-kK.jsonl,
-vllm-kK.json, served-kK.json), eval/turns.jsonl and eval/target.json (--counter vllm), logs/NAME.log (each
-stage's output), stages.json (each stage's command and wall seconds) and results.jsonl (one line per lever,
-trainer, seed and K; rewritten as evaluations finish). Re-running the same command skips every finished stage
-(regenerate or generate output with its manifest.json, a draft folder with config.json + model.safetensors, an
-evaluation at the same K on the same prompts), so a killed run goes on where it stopped (specgen's regenerate and
-generate also resume their own unfinished parts). A failed stage stops the drafts not yet started; the tables then
-show what finished, and the run exits non-zero. --dry-run prints every command and what is already done.
+stage. DIR keeps everything: data/NAME/ for NAME in regenerated, resampled,
+redrawn, resampled-redrawn, synthesized (a specgen run: the rows in data/NAME/01-regenerate/) and data/mixed.jsonl;
+shards/LEVER/ (a specgen run: the shards in shards/LEVER/01-generate/); drafts/LEVER-TRAINER-seedS/ (specgen's: a
+specgen run, the draft in its 01-train/; speculators': the draft itself); eval/LEVER-TRAINER-seedS/ (kK.json,
+turns-kK.jsonl, vllm-kK.json, served-kK.json), eval/turns.jsonl and eval/target.json (--counter vllm);
+logs/NAME.log (each step's output; a specgen run's stage also keeps its own stage.log); stages.json (the command
+and wall seconds of the steps levers runs itself: mix, evaluations, speculators' training, vLLM serving; a specgen
+run keeps its stage's in stage.json); results.jsonl (one line per lever, trainer, seed and K; rewritten as
+evaluations finish). Re-running the same command goes on where a killed run stopped: every specgen run is started
+again, and skips its finished stage at once or resumes the interrupted one (regenerate and generate keep their
+finished parts, train resumes from its last checkpoint); a specgen run refuses a run.dir made with other settings
+(another --rows, --steps, --set, ...: pass another --out). levers skips its own finished steps (data/mixed.jsonl,
+a speculators draft with config.json + model.safetensors, an evaluation at the same K on the same prompts). A
+failed step stops the drafts not yet started; the tables then show what finished, and the run exits non-zero.
+--dry-run prints every command (a specgen run whose stage finished earlier as [done]) and runs nothing.
 
 Cost on the shared 2-core CPU (SmolLM2-135M, float32; measured 2026-11-26): regeneration with vLLM's engine
 (--regenerate-python) 765 s for 200 rows at the recipe's 256 new tokens a turn (56 new tokens/s); capture ~430
@@ -80,18 +92,23 @@ bind core 0.
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # this checkout's specgen, before an installed one
 from common import SHARED  # noqa: E402
 from draft_quality import REPO, _python_env, acceptance, speculators_command, speculators_missing  # noqa: E402
 from served_acceptance import FLAGS, method_of, replay, write_turns  # noqa: E402
+
+from specgen.runner.plan import override_value  # noqa: E402
+from specgen.store.commit import write_json_atomic, write_text_atomic  # noqa: E402
 
 LEVERS = ("original", "regenerated", "synthesized", "mixed", "all", "resampled", "all-resampled", "redrawn",
           "resampled-redrawn", "all-redrawn")
@@ -111,20 +128,64 @@ class Failed(Exception):
     """A stage or a setting that stops the run; main prints it as one line."""
 
 
-class Stages:
-    """Runs the stages (output in logs/NAME.log), skips finished ones, keeps each one's command and wall seconds
-    in stages.json."""
+@dataclass
+class SpecgenRun:
+    """One `specgen run` of one stage: its command, and its stage's folder (run.dir/01-STAGE, from the plan), which
+    is what later steps read."""
 
-    def __init__(self, out: Path, dry_run: bool):
+    name: str  # regenerate-NAME, generate-LEVER, train-LEVER-TRAINER-seedS
+    command: list[str]  # [python, -m, specgen.run, recipe=R, run.dir=D, run.stages=[STAGE], key=value ...]
+    folder: Path  # the stage's output.dir
+    cfg: object  # the stage's composed config (what it will run with)
+
+
+def stage_record(folder: Path) -> dict | None:
+    """The stage.json specgen run writes once a stage finished (None before)."""
+    try:
+        return json.loads((folder / "stage.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class Stages:
+    """Runs the steps (output in logs/NAME.log). A specgen run always runs (it skips its finished stage at once, and
+    keeps its stage's command and wall seconds in stage.json); levers' own steps are skipped when finished and their
+    command and wall seconds kept in stages.json."""
+
+    def __init__(self, out: Path, dry_run: bool, specgen_runs: dict[str, SpecgenRun] | None = None):
         self.out, self.dry_run = out, dry_run
+        self.specgen_runs = specgen_runs if specgen_runs is not None else {}
         self.path = out / "stages.json"
         self.record = json.loads(self.path.read_text()) if self.path.exists() else {}
         self.lock = threading.Lock()
 
+    def specgen(self, run: SpecgenRun) -> bool:
+        """Run one `specgen run`; whether its stage ran now (False: it had finished earlier, or --dry-run)."""
+        shown = shlex.join(map(str, run.command))
+        before = stage_record(run.folder)
+        if self.dry_run:  # [done]: specgen run would skip the stage (stage.json), after checking run.json's settings
+            say(f"{'[done]' if before else '[run] '} {run.name}: {shown}")
+            return False
+        say(f"[run]  {run.name}")
+        log = self.out / "logs" / f"{run.name}.log"
+        with open(log, "w") as handle:
+            code = subprocess.run(run.command, stdout=handle, stderr=subprocess.STDOUT, env=_python_env(),
+                                  cwd=REPO, check=False).returncode
+        if code:
+            raise Failed(f"{run.name} failed (exit {code}): {last_line(log)} [log: {log}; command: {shown}]")
+        after = stage_record(run.folder)
+        if after is None:
+            raise Failed(f"{run.name} ended without {run.folder / 'stage.json'} (stopped?): {last_line(log)} "
+                         f"[log: {log}]")
+        ran = after != before
+        say(f"       {run.name}: {after.get('wall_s', 0):.0f} s" if ran
+            else f"[done] {run.name} (finished earlier: {run.folder / 'stage.json'})")
+        return ran
+
     def run(self, name: str, done, command: list[str] | None = None, call=None, shown: str = "", made=None) -> bool:
         """Run `command` (or `call(log)`, described by `shown`) unless `done()` says its output is complete;
         whether it ran. After it ran, `made()` (default: `done()`) must say its output is there."""
-        shown = shown or " ".join(map(str, command))
+        shown = shown or shlex.join(map(str, command))
         if done():
             earlier = self.record.get(name, {}).get("command")
             say(f"[done] {name}" + (" (made by another command; delete its output to redo it)"
@@ -138,7 +199,7 @@ class Stages:
         if command is not None:
             with open(log, "w") as handle:
                 code = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=_python_env(),
-                                      cwd=REPO).returncode
+                                      cwd=REPO, check=False).returncode
             if code:
                 raise Failed(f"{name} failed (exit {code}): {last_line(log)} [log: {log}; command: {shown}]")
         else:
@@ -149,10 +210,13 @@ class Stages:
         say(f"       {name}: {seconds:.0f} s")
         with self.lock:
             self.record[name] = {"command": shown, "seconds": seconds}
-            write_atomic(self.path, json.dumps(self.record, indent=1))
+            write_json_atomic(self.path, self.record, indent=1)
         return True
 
     def seconds(self, name: str) -> float | None:
+        """Wall seconds of a step: a specgen run's from its stage.json, levers' own from stages.json."""
+        if name in self.specgen_runs:
+            return (stage_record(self.specgen_runs[name].folder) or {}).get("wall_s")
         return self.record.get(name, {}).get("seconds")
 
 
@@ -165,12 +229,6 @@ def say(line: str, lock=threading.Lock()) -> None:
 def last_line(log: Path) -> str:
     lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
     return lines[-1] if lines else "no output"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 # ---- commands -----------------------------------------------------------------------------------------------
@@ -201,19 +259,58 @@ def route_sets(args) -> dict[str, list[str]]:
     return stages
 
 
-def stage_command(args, stage: str, *overrides: str) -> list[str]:
-    """`python -m specgen.STAGE recipe=R ...overrides --set items`, checked against specgen's schema."""
-    from specgen.config import compose
+def run_recipe(args) -> str:
+    """recipe= of every specgen run: --recipe (a bundled name or a .yaml file). A run that lists some of the
+    recipe's stages (run.stages=[STAGE]) uses the recipe's run.overrides of those entries only."""
+    path = Path(args.recipe).expanduser()
+    return str(path.resolve()) if args.recipe.endswith((".yaml", ".yml")) or path.parent != Path(".") else args.recipe
 
-    keys = [f"recipe={args.recipe}", *overrides, "runtime.progress=false", *routed(args, stage)]
+
+def cli_value(item) -> str:
+    """A path (or a list of them) as specgen run's command line reads it back."""
+    return override_value([str(i) for i in item] if isinstance(item, list | tuple) else str(item))
+
+
+def specgen_run(args, name: str, run_dir: Path, stage: str, *keys: str, python: str | None = None) -> SpecgenRun:
+    """`python -m specgen.run recipe=R run.dir=RUN_DIR run.stages=[STAGE] ...keys --set items`, its plan made (and
+    so its stage's config composed and checked) before anything runs; registered in args.specgen_runs by name."""
+    from specgen.errors import SpecgenError
+    from specgen.runner import make_plan
+
+    keys = [*keys, "runtime.progress=false", *routed(args, stage)]
     names = [key.split("=", 1)[0] for key in keys]
     keys = [key for i, key in enumerate(keys) if names[i] not in names[i + 1:]]  # a later KEY=VALUE wins
-    compose(stage, keys)  # a wrong key or value: a one-line SpecgenError before anything runs
-    return [sys.executable, "-m", f"specgen.{stage}", *keys]
+    argv = [f"recipe={args.run_recipe}", f"run.dir={cli_value(run_dir)}", f"run.stages=[{stage}]", *keys]
+    try:
+        plan = make_plan(argv)
+    except SpecgenError as error:
+        raise Failed(f"{name}: {error} [command: specgen run {shlex.join(argv)}]") from None
+    (step,) = plan.steps
+    run = SpecgenRun(name, [python or sys.executable, "-m", "specgen.run", *argv], step.folder, step.cfg)
+    args.specgen_runs[name] = run
+    return run
 
 
 def rows_override(args) -> list[str]:
     return [f"data.max_rows={args.rows}"] if args.rows else []
+
+
+def regenerated_dir(args, source: str) -> Path:
+    """Where regenerate output `source` (regenerated, synthesized, ...) lies: its specgen run's stage folder."""
+    return args.specgen_runs[f"regenerate-{source}"].folder
+
+
+def shards_dir(args, lever: str) -> Path:
+    """The lever's shards: its generate run's stage folder."""
+    return args.specgen_runs[f"generate-{lever}"].folder
+
+
+def draft_dir(args, lever: str, trainer: str, seed: int) -> Path:
+    """A draft's folder: specgen's train run's stage folder, or speculators' output folder."""
+    name = draft_name(lever, trainer, seed)
+    if trainer.startswith("specgen"):
+        return args.specgen_runs[f"train-{name}"].folder
+    return args.out / "drafts" / name
 
 
 def data_path(args, lever: str) -> Path | list[Path]:
@@ -221,10 +318,10 @@ def data_path(args, lever: str) -> Path | list[Path]:
     if lever == "original":
         return args.prompts
     if lever in POOLS:
-        return [args.prompts, *(args.out / "data" / source for source in POOLS[lever])]
+        return [args.prompts, *(regenerated_dir(args, source) for source in POOLS[lever])]
     if lever == "mixed":
         return args.out / "data" / "mixed.jsonl"
-    return args.out / "data" / lever
+    return regenerated_dir(args, lever)
 
 
 def draft_name(lever: str, trainer: str, seed: int) -> str:
@@ -240,16 +337,17 @@ def method_of_label(trainer: str) -> str:
     return "eagle3" if trainer == "specgen" else trainer.removeprefix("specgen-")
 
 
-def train_command(args, lever: str, seed: int, trainer: str = "specgen") -> list[str]:
+def train_run(args, lever: str, seed: int, trainer: str = "specgen") -> SpecgenRun:
+    """specgen's draft of (lever, method, seed): a specgen run of train on the lever's shards (generate's folder)."""
     method = method_of_label(trainer)
     steps = [f"train.max_steps={args.steps}"] if args.steps else []
     # DFlash trains one block of ttt_length masks and is served with its first K (as benchmarks/draft_methods.py)
     method_keys = [f"draft.dflash.block_size={args.ttt_length + 1}"] if method == "dflash" else []
-    return stage_command(args, "train", f"data.shards={args.out / 'shards' / lever}",
-                         f"output.dir={args.out / 'drafts' / draft_name(lever, trainer, seed)}",
-                         f"runtime.seed={seed}", f"train.ttt_length={args.ttt_length}", *steps, "runtime.threads=1",
-                         "output.overwrite=true", *([f"draft.method={method}"] if method != "eagle3" else []),
-                         *method_keys)
+    name = draft_name(lever, trainer, seed)
+    return specgen_run(args, f"train-{name}", args.out / "drafts" / name, "train",
+                       f"run.overrides.train.data.shards={cli_value(shards_dir(args, lever))}",
+                       f"runtime.seed={seed}", f"train.ttt_length={args.ttt_length}", *steps, "runtime.threads=1",
+                       *([f"draft.method={method}"] if method != "eagle3" else []), *method_keys)
 
 
 def speculators_flags(args) -> list[str]:
@@ -257,9 +355,7 @@ def speculators_flags(args) -> list[str]:
     budget: packing, draft vocabulary, epochs, lr, TTT steps, max steps, norm_before_residual). specgen's
     train.max_steps runs past train.epochs; speculators stops at whichever comes first, so it gets as many epochs
     as steps then (one batch an epoch at least)."""
-    from specgen.config import compose
-
-    cfg = compose("train", train_command(args, "regenerated", 0)[3:])
+    cfg = train_run(args, "regenerated", 0).cfg
     flags = ["--target", str(args.model), "--batch-tokens", str(cfg.train.batch_tokens),
              "--draft-vocab-size", str(cfg.draft.vocab_size), "--ttt-steps", str(cfg.train.ttt_length),
              "--epochs", str(cfg.train.max_steps or cfg.train.epochs), "--lr", str(cfg.train.lr)]
@@ -269,10 +365,6 @@ def speculators_flags(args) -> list[str]:
 
 
 # ---- data ---------------------------------------------------------------------------------------------------
-
-
-def has_manifest(folder: Path):
-    return lambda: (folder / "manifest.json").exists()
 
 
 def regenerated_rows(folder: Path) -> list[str]:
@@ -290,47 +382,45 @@ def check_rows(folder: Path, name: str) -> None:
 
 def mix(args, log: Path) -> None:
     """data/mixed.jsonl: row i of regenerated when i is even, of synthesized when odd (the smaller one's count)."""
-    first, second = (regenerated_rows(args.out / "data" / lever) for lever in ("regenerated", "synthesized"))
+    first, second = (regenerated_rows(regenerated_dir(args, lever)) for lever in ("regenerated", "synthesized"))
     rows = [(first if i % 2 == 0 else second)[i] for i in range(min(len(first), len(second)))]
-    write_atomic(data_path(args, "mixed"), "".join(row + "\n" for row in rows))
+    write_text_atomic(data_path(args, "mixed"), "".join(row + "\n" for row in rows))
     log.write_text(f"{len(rows)} rows: {len(first)} regenerated, {len(second)} synthesized\n")
 
 
-def data_steps(args) -> list[dict]:
-    """Stages.run's arguments, in order: regenerate (each output in SOURCES that a lever needs, once), mix, then
-    generate every lever's shards."""
-    steps = []
+def data_steps(args) -> list[SpecgenRun | dict]:
+    """The data side, in order: a specgen run of regenerate for each output in SOURCES that a lever needs (once),
+    mix (Stages.run's arguments), then a specgen run of generate for every lever's shards."""
+    steps: list[SpecgenRun | dict] = []
     sources = {lever for lever in args.levers if lever in SOURCES}
     if "mixed" in args.levers:
         sources |= {"regenerated", "synthesized"}
     sources |= {source for lever in args.levers for source in POOLS.get(lever, ())}
     for lever in sorted(sources):
-        folder = data_path(args, lever)
         engine = ["engine=vllm"] if args.regenerate_python else []
-        command = stage_command(args, "regenerate", f"model.path={args.model}", f"data.path={args.prompts}",
-                                f"output.dir={folder}", *rows_override(args), *SOURCES[lever], *engine)
-        if args.regenerate_python:
-            command[0] = args.regenerate_python  # vLLM's venv, for engine=vllm
-        steps.append({"name": f"regenerate-{lever}", "done": has_manifest(folder), "command": command})
+        steps.append(specgen_run(  # with --regenerate-python, vLLM's venv runs specgen run and so its stage
+            args, f"regenerate-{lever}", args.out / "data" / lever, "regenerate", f"model.path={cli_value(args.model)}",
+            f"data.path={cli_value(args.prompts)}", *rows_override(args), *SOURCES[lever], *engine,
+            python=args.regenerate_python))
     if "mixed" in args.levers:
         steps.append({"name": "mix", "done": data_path(args, "mixed").exists, "call": lambda log: mix(args, log),
-                      "shown": f"{data_path(args, 'mixed')}: rows of data/regenerated (even) and data/synthesized "
-                               "(odd)"})
+                      "shown": f"{data_path(args, 'mixed')}: rows of {regenerated_dir(args, 'regenerated')} (even) "
+                               f"and {regenerated_dir(args, 'synthesized')} (odd)"})
     for lever in args.levers:
-        shards = args.out / "shards" / lever
-        source = data_path(args, lever)
-        source = f"[{','.join(map(str, source))}]" if isinstance(source, list) else source
-        steps.append({"name": f"generate-{lever}", "done": has_manifest(shards), "command": stage_command(
-            args, "generate", f"model.path={args.model}", f"data.path={source}", f"output.dir={shards}",
-            *rows_override(args))})
+        steps.append(specgen_run(
+            args, f"generate-{lever}", args.out / "shards" / lever, "generate", f"model.path={cli_value(args.model)}",
+            f"run.overrides.generate.data.path={cli_value(data_path(args, lever))}", *rows_override(args)))
     return steps
 
 
-def make_data(args, stages: Stages, steps: list[dict]) -> None:
+def make_data(args, stages: Stages, steps: list[SpecgenRun | dict]) -> None:
     for step in steps:
-        stages.run(**step)
-        if step["name"].startswith("regenerate-") and not args.dry_run:
-            check_rows(data_path(args, step["name"].removeprefix("regenerate-")), step["name"])
+        if isinstance(step, dict):
+            stages.run(**step)
+            continue
+        stages.specgen(step)
+        if step.name.startswith("regenerate-") and not args.dry_run:
+            check_rows(step.folder, step.name)
 
 
 # ---- drafts -------------------------------------------------------------------------------------------------
@@ -364,19 +454,21 @@ def evaluated(args, name: str, k: int) -> dict | None:
     return result if result and result["settings"] == eval_settings(args) else None
 
 
-def draft_commands(args) -> dict[tuple[str, str, int], list[str]]:
-    """The training command of every draft, built (and checked) before anything runs."""
+def draft_commands(args) -> dict[tuple[str, str, int], SpecgenRun | list[str]]:
+    """The training of every draft, built (and checked) before anything runs: specgen's a specgen run of train,
+    speculators' a command."""
     flags = speculators_flags(args) if args.speculators else []
-    return {(lever, trainer, seed): train_command(args, lever, seed, trainer) if trainer.startswith("specgen")
-            else speculators_command(
-        args.speculators, args.out / "shards" / lever, args.out / "drafts" / draft_name(lever, trainer, seed), seed,
-        *flags) for lever, trainer, seed in runs(args)}
+    return {(lever, trainer, seed): train_run(args, lever, seed, trainer) if trainer.startswith("specgen")
+            else speculators_command(args.speculators, shards_dir(args, lever), draft_dir(args, lever, trainer, seed),
+                                     seed, *flags) for lever, trainer, seed in runs(args)}
 
 
 def train_and_evaluate(args, stages: Stages, lever: str, trainer: str, seed: int) -> None:
     name = draft_name(lever, trainer, seed)
-    ckpt = args.out / "drafts" / name
-    trained = stages.run(f"train-{name}", is_draft(ckpt), args.draft_commands[lever, trainer, seed])
+    ckpt = draft_dir(args, lever, trainer, seed)
+    training = args.draft_commands[lever, trainer, seed]
+    trained = (stages.specgen(training) if isinstance(training, SpecgenRun)
+               else stages.run(f"train-{name}", is_draft(ckpt), training))
     if args.counter == "specgen" or seed in args.vllm_seeds:  # with --counter vllm: the check on --check-prompts
         missing = list(args.ks) if trained else [k for k in args.ks if evaluated(args, name, k) is None]
         command = [sys.executable, __file__, "--evaluate", str(ckpt), "--out", str(args.out / "eval" / name),
@@ -413,7 +505,7 @@ def evaluate_here(args) -> None:
         result = acceptance(args.evaluate, num_draft_tokens=k, max_new_tokens=args.max_new_tokens,
                             samples_out=str(args.out / f"turns-k{k}.jsonl"), prompts=str(args.eval_prompts),
                             first_turns=True, max_prompts=args.max_prompts, device=args.eval_device)
-        write_atomic(args.out / f"k{k}.json", json.dumps({**result, "k": k, "settings": eval_settings(args)}))
+        write_json_atomic(args.out / f"k{k}.json", {**result, "k": k, "settings": eval_settings(args)}, indent=None)
         print(f"K={k}: acceptance {result['acceptance_length']:.3f} ({result['seconds']:.0f} s)", flush=True)
 
 
@@ -428,9 +520,9 @@ def target_alone(args, stages: Stages) -> None:
     def call(log: Path) -> None:
         write_turns(str(args.model), str(args.eval_prompts), turns)
         if args.max_prompts:
-            write_atomic(turns, "".join(turns.read_text().splitlines(keepends=True)[:args.max_prompts]))
+            write_text_atomic(turns, "".join(turns.read_text().splitlines(keepends=True)[:args.max_prompts]))
         result = replay(args.vllm_python, turns, out, args.model, args.max_new_tokens)
-        write_atomic(out, json.dumps({**result, "settings": served_settings(args)}))
+        write_json_atomic(out, {**result, "settings": served_settings(args)}, indent=None)
         log.write_text(f"{len(result['output_token_ids'])} turns, {result['output_tokens_per_second']:.1f} tokens/s\n")
 
     stages.run("vllm-target", made, call=call,
@@ -463,7 +555,7 @@ def count(args, stages: Stages, name: str, ckpt: Path, fresh: bool) -> None:
             except SystemExit as error:
                 log.write_text(str(error))
                 raise Failed(f"count-{name} failed: {last_line(log)} [log: {log}]") from None
-            write_atomic(out, json.dumps({**result, "settings": served_settings(args)}))
+            write_json_atomic(out, {**result, "settings": served_settings(args)}, indent=None)
             log.write_text(f"acceptance {result.get('acceptance_length', float('nan')):.3f}, "
                            f"{result['output_tokens_per_second']:.1f} tokens/s\n")
 
@@ -475,7 +567,7 @@ def count(args, stages: Stages, name: str, ckpt: Path, fresh: bool) -> None:
 def serve(args, stages: Stages, lever: str, trainer: str, seed: int) -> None:
     """vLLM's CPU build on the turns specgen decoded for this draft, at each K (served_acceptance.replay)."""
     name = draft_name(lever, trainer, seed)
-    ckpt, folder = args.out / "drafts" / name, args.out / "eval" / name
+    ckpt, folder = draft_dir(args, lever, trainer, seed), args.out / "eval" / name
     method = FLAGS[method_of(str(ckpt))] if is_draft(ckpt)() else []  # (no draft yet in a dry run)
     for k in args.ks:
         turns, out = folder / f"turns-k{k}.jsonl", folder / f"vllm-k{k}.json"
@@ -520,7 +612,8 @@ def collect(args, stages: Stages) -> list[dict]:
         for k in args.ks:
             base = {"lever": lever, "trainer": trainer, "seed": seed, "k": k,
                     "eval_prompts": str(Path(args.eval_prompts).resolve()), "max_new_tokens": args.max_new_tokens,
-                    "train_seconds": stages.seconds(f"train-{name}"), "checkpoint": str(args.out / "drafts" / name)}
+                    "train_seconds": stages.seconds(f"train-{name}"),
+                    "checkpoint": str(draft_dir(args, lever, trainer, seed))}
             result = evaluated(args, name, k)
             if args.counter == "vllm":
                 served = counted(args, name, k)
@@ -556,11 +649,11 @@ def collect(args, stages: Stages) -> list[dict]:
 
 
 def write_results(args, stages: Stages) -> None:
-    write_atomic(args.out / "results.jsonl", "".join(json.dumps(r) + "\n" for r in collect(args, stages)))
+    write_text_atomic(args.out / "results.jsonl", "".join(json.dumps(r) + "\n" for r in collect(args, stages)))
 
 
 def shard_stats(args, lever: str) -> dict:
-    path = args.out / "shards" / lever / "manifest.json"
+    path = shards_dir(args, lever) / "manifest.json"
     return json.loads(path.read_text())["stats"] if path.exists() else {}
 
 
@@ -731,15 +824,17 @@ def main() -> None:
     stages = None
     try:
         check(args)
-        args.model, args.prompts = args.model.resolve(), args.prompts.resolve()
+        args.model, args.prompts, args.eval_prompts = (path.resolve() for path in (args.model, args.prompts,
+                                                                                  args.eval_prompts))
         args.out = args.out.resolve()
         for flag in ("speculators", "vllm_python"):  # absolute, not resolved: a venv's python is a symlink
             setattr(args, flag, getattr(args, flag) and os.path.abspath(getattr(args, flag)))
         for folder in ("logs", "data", "shards", "drafts", "eval") if not args.dry_run else ():
             (args.out / folder).mkdir(parents=True, exist_ok=True)
         args.key_stages = route_sets(args)
-        steps, args.draft_commands = data_steps(args), draft_commands(args)  # every command checked up front
-        stages = Stages(args.out, args.dry_run)
+        args.run_recipe, args.specgen_runs = run_recipe(args), {}
+        steps, args.draft_commands = data_steps(args), draft_commands(args)  # every command's plan made up front
+        stages = Stages(args.out, args.dry_run, args.specgen_runs)
         make_data(args, stages, steps)
         if args.counter == "vllm":
             target_alone(args, stages)

@@ -19,13 +19,10 @@ from pathlib import Path
 import torch
 
 from specgen.assets import ASSETS_DIR
-from specgen.config import compose
-from specgen.draft.batches import BatchPlan
-from specgen.draft.optim import Muon, build_optimizer
-from specgen.draft.ttt import step_metrics
+from specgen.config import compose, settings_of
 from specgen.runtime.dtype import DtypeChoice
-from specgen.train import offline_data
-from train import make_trainer  # benchmarks/train.py
+from specgen.training.optim import Muon
+from specgen.training.setup import Process, build_training
 
 VARIANTS = {  # name -> (train.optimizer, dtype of Muon's iteration)
     "adamw": ("adamw", None),
@@ -35,18 +32,15 @@ VARIANTS = {  # name -> (train.optimizer, dtype of Muon's iteration)
 
 
 class Timed:
-    """A trainer (benchmarks/train.py's) whose optimizer.step() is timed on its own."""
+    """Training as `specgen train` builds it with `train.optimizer`, its optimizer.step() timed on its own."""
 
-    def __init__(self, cfg, data, optimizer_name: str, ns_dtype: str | None, out_dir: Path):
-        def optimizer(draft):
-            built = build_optimizer(draft, name=optimizer_name, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
-                                    weight_decay=cfg.train.weight_decay,
-                                    muon_weight_decay=cfg.train.muon_weight_decay)
-            if isinstance(getattr(built, "parts", {}).get("muon"), Muon):
-                built.parts["muon"].ns_dtype = DtypeChoice(ns_dtype, "benchmarks/optimizer.py")
-            return built
-
-        self.trainer = make_trainer(cfg, data, out_dir, optimizer)
+    def __init__(self, overrides: list[str], optimizer_name: str, ns_dtype: str | None, out_dir: Path):
+        settings = settings_of("train", [*overrides, f"train.optimizer={optimizer_name}", f"output.dir={out_dir}",
+                                         "train.tensorboard=false", "runtime.progress=false"])
+        training = build_training(settings, Process(torch.device("cpu")), out_dir)
+        if isinstance(getattr(training.optimizer, "parts", {}).get("muon"), Muon):
+            training.optimizer.parts["muon"].ns_dtype = DtypeChoice(ns_dtype, "benchmarks/optimizer.py")
+        self.trainer, self.data = training.trainer, training.data
         self.optimizer_seconds = self.seconds = 0.0
         self.tokens, self.losses = 0, []
         built = self.trainer.strategy.optimizer
@@ -69,7 +63,7 @@ class Timed:
             return
         self.seconds += time.perf_counter() - start
         self.tokens += batch.num_tokens
-        self.losses.append(step_metrics(stats, self.trainer.settings.ttt_decay)["loss"])
+        self.losses.append(self.trainer.settings.metrics(stats)["loss"])
 
 
 def main() -> None:
@@ -95,15 +89,13 @@ def main() -> None:
             generate(compose("generate", [f"model.path={args.target}", f"data.path={args.data}",
                                           f"data.max_rows={args.rows}", f"output.dir={shards}",
                                           "runtime.progress=false"]))
-        cfg = compose("train", [f"data.shards={shards}", f"model.path={args.target}", f"output.dir={tmp / 'c'}",
-                                f"train.batch_tokens={args.batch_tokens}", f"train.ttt_length={args.ttt_length}",
-                                "runtime.device=cpu"])
-        plan = BatchPlan(batch_tokens=args.batch_tokens, max_batch_size=None, seed=0)
-        data = offline_data(cfg, plan, torch.device("cpu"))
+        keys = [f"data.shards={shards}", f"model.path={args.target}", f"train.batch_tokens={args.batch_tokens}",
+                f"train.ttt_length={args.ttt_length}", "runtime.device=cpu", "train.num_workers=0"]
+        variants = {name: Timed(keys, *spec, tmp / str(i)) for i, (name, spec) in enumerate(VARIANTS.items())}
+        data = next(iter(variants.values())).data
         batches = list(itertools.islice(data.source.epoch(0), args.steps + 1))
         if len(batches) < args.steps + 1:
             raise SystemExit(f"only {len(batches)} batches: raise --rows or lower --steps")
-        variants = {name: Timed(cfg, data, *spec, tmp) for name, spec in VARIANTS.items()}
         for variant in variants.values():
             variant.run(batches[0], timed=False)  # warm-up
         for batch in batches[1:]:

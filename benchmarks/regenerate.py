@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from common import REPO, SHARED, build_llama
+from common import SHARED, build_llama
 
 DATA = SHARED / "datasets" / "sharegpt_fastchat_dummy.json"
 

@@ -40,7 +40,7 @@ def write_turns(target: str, prompts: str, out: Path) -> Path:
 
 
 def method_of(draft: str) -> str:
-    from specgen.draft.methods import method_of_config
+    from specgen.methods import method_of_config
 
     return method_of_config(json.loads((Path(draft) / "config.json").read_text()))
 

@@ -44,7 +44,7 @@ for p in $A $B; do kill -TERM -- -$p 2>/dev/null; done; sleep 2; for p in $A $B;
 wait 2>/dev/null
 echo "harness done at $(el) s"; grep -v -i warn $W/a.log | tail -4; grep -v -i warn $W/b.log | tail -4
 mkdir -p $W/back
-for d in $W/b/drafts/regenerated-specgen-seed0 $W/a/drafts/original-specgen-seed0; do
+for d in $W/b/drafts/regenerated-specgen-seed0/01-train $W/a/drafts/original-specgen-seed0/01-train; do
   if [ -f $d/model.safetensors ] && [ -f $d/config.json ]; then
     echo "draft back: $d"; cp $d/config.json $W/back/draft-config.json; echo $d > $W/back/draft-name.txt
     split -b 15M -d $d/model.safetensors $OUT/draft.st.; sha256sum $d/model.safetensors > $W/back/draft.sha256; break
@@ -52,6 +52,6 @@ for d in $W/b/drafts/regenerated-specgen-seed0 $W/a/drafts/original-specgen-seed
 done
 cd $W && tar czf $OUT/res.tgz --exclude='*.safetensors' --exclude=checkpoints --exclude=speculators --exclude='*.arrow' \
   back *.log a/results.jsonl a/stages.json a/logs a/eval a/drafts b/results.jsonl b/stages.json b/logs b/eval b/drafts \
-  b/data a/shards/*/manifest.json b/shards/*/manifest.json smol/specgen-manifest.json 2>/dev/null; cd - > /dev/null
+  b/data a/shards/*/01-generate/manifest.json b/shards/*/01-generate/manifest.json smol/specgen-manifest.json 2>/dev/null; cd - > /dev/null
 grep -h '"k": 3' $W/a/results.jsonl $W/b/results.jsonl 2>/dev/null | cut -c1-200
 ls -la $OUT; echo "total $(el) s"

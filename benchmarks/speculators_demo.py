@@ -26,7 +26,7 @@ accelerator (on a GPU speculators runs unpatched, with its own device handling a
   2. `get_local_rank()` is used as the device of `.to(...)` -> "cpu";
   3. `torch.accelerator.synchronize` (its step timer) is a no-op when there is no accelerator;
   4. on a CPU without native bfloat16 matmuls, `torch.optim.Muon` (speculators' optimizer) iterates Newton-Schulz in
-     float32 instead of emulated bfloat16, exactly as specgen's own Muon does there (specgen.draft.optim): the same
+     float32 instead of emulated bfloat16, exactly as specgen's own Muon does there (specgen.training.optim): the same
      update up to bfloat16 rounding, 5-6x faster steps (docs/benchmarks/2026-11-26-cpu-muon.md), so both trainers'
      wall times compare. Said on stdout when applied.
 The result is converted to specgen's checkpoint layout (`midlayer.*`, config with eagle_config) for evaluation.
@@ -42,9 +42,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specgen.draft.checkpoint import save_draft
-from specgen.draft.model import Eagle3Draft, draft_config
 from specgen.draft.target_head import load_target_weights
 from specgen.draft.vocab import build_vocab_mapping, read_token_counts
+from specgen.methods.eagle3.model import Eagle3Draft, draft_config
 from specgen.store.reader import open_shards
 
 
@@ -96,7 +96,7 @@ def _patch_for_cpu() -> None:
     trainer_module.get_local_rank = lambda: "cpu"  # patch 2: the rank doubles as the device of .to(...)
     # patch 3: the step timer synchronizes the accelerator, which fails when there is none
     torch.accelerator.synchronize = lambda *a, **k: None
-    from specgen.draft.optim import newton_schulz_dtype, orthogonalize
+    from specgen.training.optim import newton_schulz_dtype, orthogonalize
 
     choice = newton_schulz_dtype("cpu")
     if choice.name == "float32":  # patch 4

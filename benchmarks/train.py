@@ -23,35 +23,20 @@ from pathlib import Path
 import torch
 
 from specgen.assets import ASSETS_DIR
-from specgen.config import compose
-from specgen.draft.batches import BatchPlan
-from specgen.draft.strategy import DDPStrategy
-from specgen.draft.offline import OfflineBatches
-from specgen.draft.target_head import TargetHead
-from specgen.draft.trainer import DraftTrainer, LoopSettings
-from specgen.draft.ttt import DraftBatch, TTTObjective
-from specgen.draft.vocab import VocabMapping
-from specgen.train import TrainingData, build_draft, offline_data, online_data
-
+from specgen.config import compose, settings_of
+from specgen.draft.batch import DraftBatch
+from specgen.training.setup import Process, Training, build_training
+from specgen.training.trainer import DraftTrainer
 
 ROUND_STEPS = 4  # steps per variant per round-robin round
 
 
-def make_trainer(cfg, data: TrainingData, out_dir: Path, optimizer=None) -> DraftTrainer:
-    """A fresh draft (same seed every time) and a single-process trainer around it. optimizer: draft -> its
-    optimizer (default: AdamW at train.lr)."""
-    torch.manual_seed(0)
-    draft = build_draft(cfg, data, None)
-    objective = TTTObjective(draft, ttt_length=cfg.train.ttt_length, decay=cfg.train.ttt_decay)
-    optimizer = (optimizer or (lambda d: torch.optim.AdamW(d.trainable_parameters(), lr=cfg.train.lr)))(draft)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    strategy = DDPStrategy(objective, optimizer, scheduler, device=torch.device("cpu"), world_size=1, grad_accum=1,
-                         grad_clip=cfg.train.grad_clip)
-    head = TargetHead(data.lm_head, VocabMapping.from_d2t(draft.d2t, draft.config.vocab_size))
-    settings = LoopSettings(total_steps=0, grad_accum=1, ttt_decay=cfg.train.ttt_decay, log_every=1,
-                            save_every=None, autocast_dtype=None)
-    return DraftTrainer(strategy=strategy, head=head, source=data.source, settings=settings, out_dir=out_dir,
-                        save_draft=lambda state: None, is_main=True, progress=False)
+def make_trainer(overrides: list[str], out_dir: Path) -> Training:
+    """Training as `specgen train` builds it (`specgen.training.setup.build_training`: the shipped loss, optimizer
+    and schedule), single process on the CPU; the variants feed its trainer their own batches."""
+    settings = settings_of("train", [*overrides, f"output.dir={out_dir}", "runtime.device=cpu",
+                                     "train.tensorboard=false", "runtime.progress=false"])
+    return build_training(settings, Process(torch.device("cpu")), out_dir)
 
 
 @dataclass
@@ -104,27 +89,27 @@ def main() -> None:
             shards = tmp / "shards"
             generate(compose("generate", [f"model.path={args.target}", f"output.dir={shards}",
                                           "runtime.progress=false", *data_keys]))
-        cfg = compose("train", [f"data.shards={shards}", f"model.path={args.target}", *data_keys,
-                                f"output.dir={tmp / 'ckpt'}", f"train.batch_tokens={args.batch_tokens}",
-                                f"train.ttt_length={args.ttt_length}", "runtime.device=cpu"])
-        plan = BatchPlan(batch_tokens=args.batch_tokens, max_batch_size=None, seed=0)
+        keys = [f"model.path={args.target}", *data_keys, f"train.batch_tokens={args.batch_tokens}",
+                f"train.ttt_length={args.ttt_length}", "train.max_batch_size=null"]
+        offline_keys = [*keys, f"data.shards={shards}"]
         needed = args.warmup + args.steps
-        offline = offline_data(cfg, plan, torch.device("cpu"))
-        if offline.source.batches_per_epoch() < needed:
-            raise SystemExit(f"only {offline.source.batches_per_epoch()} batches: raise --rows or lower --steps")
         variants = []
         for workers in args.workers:
-            source = OfflineBatches(offline.source.dataset, plan, num_workers=workers)
-            variants.append(Variant(f"offline, DataLoader {workers} workers", make_trainer(cfg, offline, tmp),
-                                    iter(source.epoch(0))))
+            training = make_trainer([*offline_keys, f"train.num_workers={workers}"], tmp / f"w{workers}")
+            if training.data.source.batches_per_epoch() < needed:
+                raise SystemExit(f"only {training.data.source.batches_per_epoch()} batches: raise --rows or lower "
+                                 "--steps")
+            variants.append(Variant(f"offline, DataLoader {workers} workers", training.trainer,
+                                    iter(training.data.source.epoch(0))))
+        training = make_trainer([*offline_keys, "train.num_workers=0"], tmp / "memory")
         in_memory = [DraftBatch(*(t.clone() for t in (b.input_ids, b.loss_mask, b.aux_hidden_states,
                                                       b.last_hidden_state, b.lengths, b.position_ids,
                                                       b.document_ids)))
-                     for b in itertools.islice(offline.source.epoch(0), needed)]
-        variants.append(Variant("offline, batches in memory", make_trainer(cfg, offline, tmp), iter(in_memory)))
-        online = online_data(cfg, plan, torch.device("cpu"))
-        variants.append(Variant("online, target in the loop (capture = waiting)", make_trainer(cfg, online, tmp),
-                                iter(online.source.epoch(0))))
+                     for b in itertools.islice(training.data.source.epoch(0), needed)]
+        variants.append(Variant("offline, batches in memory", training.trainer, iter(in_memory)))
+        online = make_trainer([*keys, "mode=online"], tmp / "online")
+        variants.append(Variant("online, target in the loop (capture = waiting)", online.trainer,
+                                iter(online.data.source.epoch(0))))
         for variant in variants:
             variant.run(args.warmup, timed=False)
         # Round-robin, a few steps at a time, so a change in machine load hits every variant alike.

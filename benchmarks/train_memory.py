@@ -23,12 +23,14 @@ from pathlib import Path
 import torch
 import transformers
 
+from specgen import methods
 from specgen.assets import ASSETS_DIR
-from specgen.draft import methods
-from specgen.draft import model as draft_model
+from specgen.config import settings_of
+from specgen.draft.batch import DraftBatch, batch_target, collate
+from specgen.draft.loss import MASK_SHIFTS
 from specgen.draft.target_head import TargetHead
-from specgen.draft.ttt import DraftBatch, batch_target, collate
 from specgen.draft.vocab import VocabMapping, build_vocab_mapping
+from specgen.methods.eagle3 import model as draft_model
 
 
 def one_step(config_dir: Path, length: int, ttt_length: int, draft_vocab: int, device: str, dtype: str,
@@ -42,12 +44,13 @@ def one_step(config_dir: Path, length: int, ttt_length: int, draft_vocab: int, d
     mapping: VocabMapping = build_vocab_mapping({t: vocab - t for t in range(vocab)}, vocab, min(draft_vocab, vocab))
     embedding, lm_head = torch.randn(vocab, hidden) * 0.02, torch.randn(vocab, hidden) * 0.02
     method = methods.get("eagle3")
+    shipped = settings_of("train", [f"train.ttt_length={ttt_length}"])  # the shipped draft and train settings
     draft = method.new_draft(target_config, aux_layers=aux_layers, mapping=mapping, embedding=embedding,
-                             lm_head=lm_head, draft_cfg={"init_lm_head": "target"})
+                             lm_head=lm_head, draft=shipped.draft)
     torch_dtype = getattr(torch, dtype)
     draft.to(device=device, dtype=torch_dtype)
-    objective = method.objective(draft, train_cfg={"ttt_length": ttt_length, "ttt_decay": 1.0,
-                                                   "out_of_vocab": "drop"}, mask_shift=2)
+    objective = method.objective(draft, train=shipped.train, draft=shipped.draft, seed=0,
+                                 mask_shift=MASK_SHIFTS[shipped.train.loss_mask])
     optimizer = torch.optim.AdamW(draft.trainable_parameters(), lr=1e-4)
     head = TargetHead(lm_head.to(device=device, dtype=torch_dtype), mapping)
     sizes = [length] if sample_length is None else \
@@ -84,7 +87,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--sample-length", type=int, help="pack samples of this many tokens into each row "
                         "(default: the row is one sample)")
-    parser.add_argument("--attention-chunk", type=int, help="override specgen.draft.model.ATTENTION_CHUNK "
+    parser.add_argument("--attention-chunk", type=int, help="override specgen.methods.eagle3.model.ATTENTION_CHUNK "
                         "(score elements per chunk; 10**12: one dense pass)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)

@@ -106,7 +106,7 @@ class CapturedBatches:
 
 def write_units(out_dir: Path, spec: ShardSpec, units: list[list[TokenizedSample]], captured: CapturedBatches, *,
                 batch_tokens: int, padded: bool, depth: int, writers: int, shard_writer) -> float:
-    """Hand the units to a BackgroundWriter as generate.capture_units does; returns the seconds until all committed."""
+    """Hand the units to a BackgroundWriter as specgen.capture.units.capture_units does; returns the seconds until all committed."""
     captured.turn = 0  # every path gets the same bytes
     started = time.perf_counter()
     with BackgroundWriter(out_dir, spec, depth=depth, on_batch=lambda tokens: None, on_commit=lambda rows: None,

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from specgen.config import CONF_DIR
 from specgen.schema import KEYS, Key, leaves
 
-STAGES = ("generate", "train", "evaluate", "regenerate", "export", "verify", "capture_server")
+STAGES = ("generate", "train", "evaluate", "regenerate", "export", "verify", "capture_server", "run")
 SKIPPED_TOP = ("defaults", "hydra")
 _KEY_LINE = re.compile(r"^(\s*)([A-Za-z_]\w*):(.*)$")
 

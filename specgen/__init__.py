@@ -1,7 +1,8 @@
 """specgen: training data and training for speculative-decoding drafts.
 
 Stages (Hydra apps, `specgen.cli.STAGES`), each `specgen STAGE ...` or `python -m specgen.STAGE ...`: generate, train,
-evaluate, verify, regenerate, export, capture_server (`specgen --help` says what each does).
+evaluate, verify, regenerate, export, capture_server (`specgen --help` says what each does); `specgen run recipe=NAME
+run.dir=DIR` runs a recipe's stages in order as one resumable command (`specgen.run`).
 Library entry point for readers: `specgen.open_shards(path)`.
 """
 

@@ -15,6 +15,7 @@ STAGES = {
     "regenerate": "replace assistant turns with the target's own answers",
     "export": "write a draft checkpoint in the layout an engine reads (vllm, sglang, speculators)",
     "capture_server": "capture target hidden states for disaggregated training (train mode=disaggregated)",
+    "run": "a recipe's stages in order (run.stages), each in its own folder of run.dir; re-running resumes",
 }
 
 

@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from specgen.assets import asset_path
 from specgen.errors import SpecgenError
-from specgen.schema import KEYS, REFERENCE, closest_key, is_missing, validate
+from specgen.runtime.reaper import guard_job
+from specgen.schema import KEYS, REFERENCE, closest_key, is_missing, settings, validate
 
 def _config_dirs() -> tuple[Path, Path]:
     """(configs, recipes): inside the package when installed from a wheel, else the checkout's top folders."""
@@ -142,8 +143,6 @@ def stage_main(config_name: str) -> Callable[[Callable[[DictConfig], object]], C
         def task(cfg: DictConfig) -> None:
             from transformers.utils import logging as hf_logging
 
-            from specgen.runtime.reaper import guard_job
-
             hf_logging.disable_progress_bar()  # per-file weight-loading bars drown our own progress bar
             guard_job()  # whatever ends this job ends the processes it starts (specgen.runtime.reaper)
             try:
@@ -220,3 +219,9 @@ def _one_line(message: str, stage: str) -> str:
 def to_container(cfg: DictConfig) -> dict:
     """The resolved config as plain Python (for manifests and fingerprints)."""
     return OmegaConf.to_container(cfg, resolve=True)
+
+
+def settings_of(stage: str, overrides: list[str] | tuple[str, ...] = (), section: str = ""):
+    """`compose(stage, overrides)` as typed settings (`specgen.schema.settings`): the whole tree, or one section
+    ("draft", "train", "draft.dflash"); what components take, for tests, notebooks and benchmarks."""
+    return settings(compose(stage, overrides), section)

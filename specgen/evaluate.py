@@ -38,14 +38,13 @@ from omegaconf import DictConfig
 from specgen.capture.target import load_target
 from specgen.config import stage_main
 from specgen.data.prompts import Prompt, chat_prompt_ids, read_prompts
+from specgen.draft.aux import aux_layers_of
 from specgen.draft.checkpoint import load_draft, read_raw_config, specgen_info
 from specgen.draft.lossless import diagnose, verdict
-from specgen.draft.model import aux_layers_of
-from specgen.draft.speculative import (Generation, TargetRunner, greedy_generate, replayed_greedy,
-                                       speculative_generate)
+from specgen.draft.speculative import Generation, TargetRunner, greedy_generate, replayed_greedy, speculative_generate
 from specgen.errors import SpecgenError
-from specgen.runtime import load_tokenizer, resolve_device, resolve_model_dtype, set_threads, stop_token_ids
 from specgen.progress import Progress, format_table
+from specgen.runtime import load_tokenizer, resolve_device, resolve_model_dtype, set_threads, stop_token_ids
 from specgen.store.commit import content_hash, write_json_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)

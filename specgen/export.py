@@ -12,10 +12,11 @@ import torch
 import transformers
 from omegaconf import DictConfig
 
+from specgen import methods
 from specgen.config import stage_main
-from specgen.draft import exports, methods
+from specgen.draft import exports
+from specgen.draft.aux import aux_layers_of
 from specgen.draft.checkpoint import load_draft, read_raw_config, specgen_info
-from specgen.draft.model import aux_layers_of
 from specgen.errors import SpecgenError
 from specgen.progress import format_table
 from specgen.store.lease import hold_lease
@@ -29,10 +30,6 @@ def run(cfg: DictConfig) -> dict:
     if cfg.draft.path is None:
         raise SpecgenError("pass draft.path=CKPT (a draft checkpoint) and output.dir=DIR")
     fmt = cfg.export.format
-    if fmt not in exports.FORMATS:
-        raise SpecgenError(f"export.format={fmt!r} is unknown; use one of {list(exports.FORMATS)}")
-    if cfg.export.dtype is not None and cfg.export.dtype not in DTYPES:
-        raise SpecgenError(f"export.dtype={cfg.export.dtype!r}; use one of {list(DTYPES)} or null")
     out_dir = Path(cfg.output.dir)
     if (out_dir / exports.CONFIG).exists() and not cfg.output.overwrite:
         raise SpecgenError(f"{out_dir} already holds a checkpoint; pass output.overwrite=true or another output.dir")

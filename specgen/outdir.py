@@ -20,6 +20,22 @@ def fingerprint(identity: dict) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def changed_keys(previous: dict, identity: dict) -> list[str]:
+    """The identity keys whose values differ, sorted; a key holding a dict is named by its changed entries
+    (`data.max_length`, `generation.max_new_tokens`), so the error says which setting moved."""
+    identity = json.loads(json.dumps(identity, default=str))  # as run.json holds it (tuples as lists)
+    changed = []
+    for key in sorted(set(previous) | set(identity)):
+        before, after = previous.get(key), identity.get(key)
+        if before == after:
+            continue
+        if isinstance(before, dict) and isinstance(after, dict):
+            changed += [f"{key}.{sub}" for sub in sorted(set(before) | set(after)) if before.get(sub) != after.get(sub)]
+        else:
+            changed.append(key)
+    return changed
+
+
 def claim_output_dir(out_dir: Path, identity: dict, *, overwrite: bool) -> bool:
     """Create or re-open `out_dir` for a run with `identity`. Returns True when resuming earlier work."""
     run_file = out_dir / RUN_FILE
@@ -29,7 +45,7 @@ def claim_output_dir(out_dir: Path, identity: dict, *, overwrite: bool) -> bool:
         if previous.get("fingerprint") == digest:
             return True
         if not overwrite:
-            changed = sorted(k for k in identity if previous.get("identity", {}).get(k) != identity[k])
+            changed = changed_keys(previous.get("identity", {}), identity)
             raise SpecgenError(
                 f"output.dir={out_dir} holds a dataset made with a different configuration (changed: "
                 f"{', '.join(changed) or 'unknown'}); pick another output.dir, or pass output.overwrite=true to replace it")

@@ -8,7 +8,9 @@ every stage: the table is the project's single vocabulary of keys. The configura
 (`docs/reference/configuration.md`) is generated from it and the YAML (`docs/gen_config_reference.py`).
 """
 
+import dataclasses
 import difflib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -204,6 +206,10 @@ KEYS: dict[str, Key] = {
     "regenerate.loop_repeats": _k("int", min=0),
     "regenerate.batch_size": _k("int", min=POSITIVE),
     "regenerate.batch_tokens": _k("int", min=POSITIVE),
+    # run: a recipe's stages in order, as one resumable command (specgen.run)
+    "run.dir": _k("str"),
+    "run.stages": _k("list", null=True, items="str"),
+    "run.overrides": _k("dict"),
 }
 
 
@@ -278,3 +284,41 @@ def _check_kind(name: str, value, kind: str) -> None:
     if not ok:
         raise SpecgenError(f"{name}={value!r} must be {'a' if kind != 'int' else 'an'} {kind}, "
                            f"not {type(value).__name__}")
+
+
+# The schema's dataclasses: what components take instead of a DictConfig. A stage's composed, validated config
+# becomes one frozen tree (`settings(cfg)`): a section is a frozen dataclass whose fields are that section's keys,
+# typed as KEYS says, with no default of their own: every value is the one the YAML (or the user) gave, so code
+# and configuration cannot disagree, and a key the config lacks is an AttributeError, never a silent fallback.
+_PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "str|int": str | int, "bool|str": bool | str,
+             "str|list": str | list, "list": list, "dict": dict}
+
+
+@functools.cache
+def settings_type(section: str, fields: tuple[str, ...]) -> type:
+    """The frozen dataclass of config section `section` ("" for the root, "draft.dflash" nested) with `fields`."""
+    specs = []
+    for name in fields:
+        key = KEYS.get(f"{section}.{name}" if section else name)
+        kind = object if key is None else _PY_TYPES[key.kind] | None if key.nullable else _PY_TYPES[key.kind]
+        specs.append((name, kind))
+    title = "".join(part.capitalize() for part in section.replace(".", "_").split("_")) or "Stage"
+    return dataclasses.make_dataclass(f"{title}Settings", specs, frozen=True)
+
+
+def settings(cfg: DictConfig, section: str = ""):
+    """`cfg` (a composed, validated stage config) as typed, frozen settings: `settings(cfg).train.lr`; free-form
+    (`dict`) and list values come as plain Python."""
+    node = OmegaConf.select(cfg, section) if section else cfg
+    values = {}
+    for name in node.keys():
+        dotted = f"{section}.{name}" if section else str(name)
+        if dotted == "hydra":
+            continue
+        spec = KEYS.get(dotted)
+        value = OmegaConf.select(cfg, dotted)
+        if spec is None and isinstance(value, DictConfig):
+            values[str(name)] = settings(cfg, dotted)
+        else:
+            values[str(name)] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    return settings_type(section, tuple(values))(**values)

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from specgen.capture.outputs import OutputSettings
 from specgen.config import to_container
-from specgen.ranks.zero import Zero3Settings
+from specgen.capture.zero import Zero3Settings
 from specgen.filters import SampleFilter
 
 if TYPE_CHECKING:

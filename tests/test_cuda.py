@@ -13,20 +13,29 @@ import warnings
 import pytest
 import torch
 import transformers
-
 from conftest import BUNDLED_CHAT, build_tiny_model
+
 from specgen.assets import ASSETS_DIR
 from specgen.capture import load_target, make_capture
 from specgen.capture import packed as packed_module
 from specgen.config import compose
+from specgen.draft.batch import collate
+from specgen.draft.loss import target_positions_needed
 from specgen.draft.target_head import TargetHead
-from specgen.draft.ttt import collate, target_positions_needed
 from specgen.draft.vocab import VocabMapping
 from specgen.train import run as train
 from tests.test_draft_model import tiny_draft
 from tests.test_draft_ttt import one_step
-from tests.test_packing import (AUX_LAYERS, HIDDEN, NUM_LAYERS, VOCAB, assert_matches_each_alone, assert_same_dataset,
-                                generate, packed_row)
+from tests.test_packing import (
+    AUX_LAYERS,
+    HIDDEN,
+    NUM_LAYERS,
+    VOCAB,
+    assert_matches_each_alone,
+    assert_same_dataset,
+    generate,
+    packed_row,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -94,8 +103,8 @@ def test_generate_on_cuda_equals_generate_on_cpu(tmp_path, overrides):
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_draft_chunked_attention_and_scoring_on_cuda_equal_one_dense_pass(monkeypatch, packed):
-    import specgen.draft.model as draft_model
-    import specgen.draft.ttt as ttt
+    import specgen.methods.eagle3.model as draft_model
+    import specgen.methods.eagle3.ttt as ttt
 
     torch.manual_seed(2)
     target_vocab = 50

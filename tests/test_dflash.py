@@ -1,4 +1,4 @@
-"""DFlash draft (specgen.draft.dflash): layer ids, anchors, the block attention mask, the loss's slots and targets,
+"""DFlash draft (specgen.methods.dflash.model): layer ids, anchors, the block attention mask, the loss's slots and targets,
 training forward == serving decode, checkpoints, and one-line errors for a checkpoint of the other method."""
 
 import json
@@ -7,22 +7,14 @@ import pytest
 import torch
 import transformers
 
+from specgen import methods
 from specgen.assets import ASSETS_DIR
-from specgen.draft.dflash import (
-    DFlashDraft,
-    block_visibility,
-    dflash_config,
-    dflash_loss,
-    sample_anchors,
-    slot_weights,
-    valid_anchors,
-    vllm_eagle_aux_ids,
-)
-from specgen.draft import methods
 from specgen.draft.checkpoint import save_draft
-from specgen.draft.dflash_serving import load_dflash
 from specgen.draft.target_head import TargetDistribution
 from specgen.errors import SpecgenError
+from specgen.methods.dflash.model import DFlashDraft, dflash_config, vllm_eagle_aux_ids
+from specgen.methods.dflash.objective import block_visibility, dflash_loss, sample_anchors, slot_weights, valid_anchors
+from specgen.methods.dflash.serving import load_dflash
 
 TARGET = ASSETS_DIR / "tiny-target"
 AUX = [1, 3, 4]
@@ -194,7 +186,7 @@ def test_checkpoint_round_trip_and_vllm_layout(target_config, tmp_path):
 
 
 def test_a_checkpoint_of_the_other_method_is_a_one_line_error():
-    """One way to tell a checkpoint's method (specgen.draft.methods), for vLLM's layout and specgen's record alike."""
+    """One way to tell a checkpoint's method (specgen.methods), for vLLM's layout and specgen's record alike."""
     assert methods.method_of_config({"architectures": ["DFlashDraftModel"]}) == "dflash"
     assert methods.method_of_config({"dflash_config": {}, "architectures": ["X"]}) == "dflash"
     assert methods.method_of_config({"architectures": ["LlamaForCausalLMEagle3"]}) == "eagle3"

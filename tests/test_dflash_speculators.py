@@ -14,10 +14,11 @@ import torch
 import transformers
 
 from specgen.assets import ASSETS_DIR
-from specgen.draft.dflash import DFlashDraft, dflash_config, dflash_loss, sample_anchors, valid_anchors
+from specgen.draft.batch import batch_target, collate
 from specgen.draft.target_head import TargetHead
-from specgen.draft.ttt import batch_target, collate
 from specgen.draft.vocab import VocabMapping
+from specgen.methods.dflash.model import DFlashDraft, dflash_config
+from specgen.methods.dflash.objective import dflash_loss, sample_anchors, valid_anchors
 
 pytestmark = pytest.mark.vllm  # runs in vLLM's venv, where speculators is installed
 

@@ -240,7 +240,7 @@ def test_a_slow_rank_claims_fewer_units_and_the_dataset_is_unchanged(target, tmp
 def test_output_dir_must_not_depend_on_launch_time(target, tmp_path):
     from specgen.ranks import Workers
     from specgen.errors import SpecgenError
-    from specgen.generate import require_shared_output_dir
+    from specgen.job import require_shared_output_dir
 
     cfg = compose("generate", [f"model.path={target}", f"data.path={BUNDLED_CHAT}"])
     two = Workers(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))

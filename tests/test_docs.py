@@ -16,11 +16,12 @@ from omegaconf import OmegaConf
 from conftest import REPO
 from specgen.config import CONF_DIR, compose
 from specgen.errors import SpecgenError
+from specgen.runner import make_plan
 from specgen.schema import KEYS, REFERENCE
 
 DOCS = REPO / "docs"
 PAGES = sorted(DOCS.rglob("*.md")) + [REPO / "README.md"]
-STAGES = ("generate", "train", "evaluate", "verify", "regenerate", "export", "capture_server")
+STAGES = ("generate", "train", "evaluate", "verify", "regenerate", "export", "capture_server", "run")
 GROUPS = sorted({key.split(".")[0] for key in KEYS if "." in key})
 DICT_KEYS = [key for key, spec in KEYS.items() if spec.kind == "dict"]
 FILE_SUFFIXES = {"py", "yaml", "yml", "json", "jsonl", "safetensors", "arrow", "md", "ipynb", "bin", "log", "txt",
@@ -194,14 +195,17 @@ def test_commands_are_found():
                          ids=[f"{page}:{stage}:{n}" for n, (page, _, stage, _) in enumerate(COMMANDS)])
 def test_documented_command_composes(page, line, stage, args):
     """Composed and validated as the command line does, without running; a key the command leaves to the user
-    (`draft.path` in an elided command) is filled in, a wrong key or value fails."""
+    (`draft.path` in an elided command) is filled in, a wrong key or value fails. `specgen run` composes every stage
+    of its plan."""
     filled = list(args)
+    if stage == "run" and not any(arg.startswith(("recipe=", "run.stages=")) for arg in args):
+        filled.insert(0, "recipe=demo")  # the generic `specgen run recipe=NAME ...`, or the command named in prose
     for _ in range(4):
         try:
-            compose(stage, filled)
+            make_plan(filled) if stage == "run" else compose(stage, filled)
             return
         except SpecgenError as error:
-            missing = re.match(r"(\S+) is required by specgen\.", str(error))
+            missing = re.match(r"(?:stage \S+: )?(\S+) is required by specgen\.", str(error))
             if not missing:
                 pytest.fail(f"{page}: `{line}`: {error}")
             filled.append(f"{missing.group(1)}=/placeholder")

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from specgen.draft.batches import BatchPlan, length_batches, packed_batches
+from specgen.training.plan import BatchPlan, length_batches, packed_batches
 
 RNG = random.Random(0)
 LENGTHS = [RNG.randint(1, 300) for _ in range(200)] + [700]  # one sample longer than the budget

@@ -1,39 +1,38 @@
-"""Draft methods (specgen.draft.methods): EAGLE-3.1's flags and P-EAGLE's parallel drafting, trained, saved,
+"""Draft methods (specgen.methods): EAGLE-3.1's flags and P-EAGLE's parallel drafting, trained, saved,
 reloaded and decoded through one interface; a checkpoint of one method refused by another in one line."""
 
 import json
 
 import pytest
 import torch
-import torch.nn.functional as F
-import transformers
 from safetensors.torch import load_file
 
-from specgen.assets import ASSETS_DIR
-from specgen.config import compose
-from specgen.draft import methods
+from specgen import methods
+from specgen.config import compose, settings_of
 from specgen.draft.checkpoint import load_draft, save_draft
 from specgen.draft.exports import export_files
-from specgen.draft.model import DraftKV, draft_config
-from specgen.draft.peagle import PEagleDraft, cod_selection, peagle_forward
-from specgen.draft.speculative import TargetRunner, greedy_generate, speculative_generate
 from specgen.draft.target_head import TargetDistribution
 from specgen.errors import SpecgenError
+from specgen.methods.eagle3.model import DraftKV
+from specgen.methods.peagle.method import PEagleDraft, cod_selection, peagle_forward
 from tests.test_draft_model import one_thread  # noqa: F401 (fixture)
 from tests.test_formats import AUX, logits, stored, target_config
 
 K = len(AUX)
 
 
-def build(method: str, seed: int = 0, **draft_cfg):
-    """A tiny draft of `method` through the interface, its weights moved off their init so a misplaced norm shows."""
+def build(method: str, seed: int = 0, **keys):
+    """A tiny draft of `method` through the interface, with the shipped `draft.*` settings and `keys` over them
+    (draft.KEY=VALUE), its weights moved off their init so a misplaced norm shows."""
     from specgen.draft.vocab import VocabMapping
 
     torch.manual_seed(seed)
     mapping = VocabMapping(torch.arange(20) * 2, 50)
+    draft_settings = settings_of("train", [f"draft.{key}={str(value).lower()}" for key, value in keys.items()],
+                                 "draft")
     draft = methods.get(method).new_draft(target_config(), aux_layers=AUX, mapping=mapping,
                                           embedding=torch.randn(50, 32), lm_head=torch.randn(50, 32),
-                                          draft_cfg={"norm_before_residual": True, **draft_cfg})
+                                          draft=draft_settings)
     for parameter in draft.parameters():
         parameter.data.add_(0.1 * torch.randn_like(parameter))
     return draft.eval()

@@ -7,8 +7,9 @@ import pytest
 import torch
 import transformers
 
-from specgen.draft.model import DraftKV, Eagle3Draft, aux_layers_of, draft_config
+from specgen.draft.aux import aux_layers_of
 from specgen.errors import SpecgenError
+from specgen.methods.eagle3.model import DraftKV, Eagle3Draft, draft_config
 
 PUBLISHED_NAMES = {  # yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, as read by vLLM / SGLang llama_eagle3.py
     "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
@@ -35,7 +36,8 @@ def tiny_target_config(**kwargs) -> transformers.LlamaConfig:
 
 def tiny_draft(seed: int = 0, draft_vocab: int = 20) -> Eagle3Draft:
     torch.manual_seed(seed)
-    draft = Eagle3Draft(draft_config(tiny_target_config(), aux_layers=[1, 2, 3], draft_vocab_size=draft_vocab))
+    draft = Eagle3Draft(draft_config(tiny_target_config(), aux_layers=[1, 2, 3], draft_vocab_size=draft_vocab,
+                                     norm_before_residual=False))
     torch.nn.init.normal_(draft.embed_tokens.weight)
     for norm in (draft.midlayer.input_layernorm, draft.midlayer.hidden_norm, draft.norm):
         torch.nn.init.uniform_(norm.weight, 0.5, 1.5)  # non-trivial norms so a mix-up shows
@@ -57,7 +59,8 @@ def unroll(draft: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor, steps: i
 
 def test_draft_config_follows_target_and_records_eagle_keys():
     target = tiny_target_config(rope_theta=5e5, rms_norm_eps=1e-5)
-    config = draft_config(target, aux_layers=[1, 2, 3], draft_vocab_size=20, overrides={"intermediate_size": 64})
+    config = draft_config(target, aux_layers=[1, 2, 3], draft_vocab_size=20, overrides={"intermediate_size": 64},
+                          norm_before_residual=False)
     assert config.architectures == ["LlamaForCausalLMEagle3"]
     assert config.num_hidden_layers == 1
     assert (config.hidden_size, config.vocab_size, config.target_hidden_size) == (32, 50, 32)
@@ -67,7 +70,8 @@ def test_draft_config_follows_target_and_records_eagle_keys():
     assert config.eagle_config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]  # vLLM's reading: layer i -> i + 1
     assert aux_layers_of(config) == [1, 2, 3]
     with pytest.raises(SpecgenError, match="hidden_size"):
-        draft_config(target, aux_layers=[1, 2, 3], draft_vocab_size=20, overrides={"hidden_size": 64})
+        draft_config(target, aux_layers=[1, 2, 3], draft_vocab_size=20, overrides={"hidden_size": 64},
+                     norm_before_residual=False)
 
 
 def test_parameter_names_and_shapes_are_the_published_layout():
@@ -206,7 +210,8 @@ def test_norm_before_residual_is_carried_by_the_checkpoint(tmp_path):
     save_draft(draft, tmp_path, {})
     assert json.loads((tmp_path / "config.json").read_text())["norm_before_residual"] is True
     assert load_draft(tmp_path).midlayer.norm_before_residual is True
-    plain = Eagle3Draft(draft_config(tiny_target_config(), aux_layers=[1, 2, 3], draft_vocab_size=20))
+    plain = Eagle3Draft(draft_config(tiny_target_config(), aux_layers=[1, 2, 3], draft_vocab_size=20,
+                                     norm_before_residual=False))
     assert plain.midlayer.norm_before_residual is False
 
 

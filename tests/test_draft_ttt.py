@@ -7,15 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specgen.draft.batch import collate
+from specgen.draft.loss import predicted_token_mask, step_metrics, target_positions_needed
 from specgen.draft.target_head import TargetDistribution, TargetHead
-from specgen.draft.ttt import (
-    collate,
-    predicted_token_mask,
-    step_metrics,
-    target_positions_needed,
-    ttt_forward,
-)
 from specgen.draft.vocab import VocabMapping
+from specgen.methods.eagle3.ttt import ttt_forward
 from tests.test_draft_model import one_thread, tiny_draft, unroll  # noqa: F401 (fixture)
 
 # A conversation: two prompt tokens, a 3-token reply, one prompt token, a 1-token reply.
@@ -159,7 +155,7 @@ def test_long_rows_attend_in_chunks_exactly_like_one_dense_pass(monkeypatch, pac
     """Above ATTENTION_CHUNK score elements the draft attends in query chunks over each chunk's visible keys
     (recomputed in backward): same loss, statistics and gradients as one dense pass, in packed and padded rows,
     with chunks that cross sample boundaries (40 elements: 2-3 queries of 4 heads)."""
-    import specgen.draft.model as draft_model
+    import specgen.methods.eagle3.model as draft_model
 
     torch.manual_seed(2)
     target_vocab = 50
@@ -185,7 +181,7 @@ def test_long_rows_attend_in_chunks_exactly_like_one_dense_pass(monkeypatch, pac
 
 
 def test_sample_starts_finds_where_each_sample_of_a_row_begins():
-    from specgen.draft.model import sample_starts
+    from specgen.methods.eagle3.model import sample_starts
 
     documents = torch.tensor([[0, 0, 0, 1, 1, 2, -1, -1], [3, 3, 3, 3, 3, -1, -1, -1]])
     assert sample_starts(documents).tolist() == [[0, 0, 0, 3, 3, 5, 6, 6], [0, 0, 0, 0, 0, 5, 5, 5]]
@@ -194,7 +190,7 @@ def test_sample_starts_finds_where_each_sample_of_a_row_begins():
 def test_long_steps_score_in_chunks_exactly_like_one_pass(monkeypatch):
     """Above SCORE_CHUNK positions a step's loss runs a chunk at a time (recomputed in backward): same loss,
     statistics and gradients as scoring every position at once."""
-    import specgen.draft.ttt as ttt
+    import specgen.methods.eagle3.ttt as ttt
 
     torch.manual_seed(3)
     target_vocab = 50

@@ -8,10 +8,10 @@ import transformers
 
 from specgen.assets import ASSETS_DIR
 from specgen.config import compose
-from specgen.draft.checkpoint import save_draft
-from specgen.draft.model import Eagle3Draft, draft_config
-from specgen.draft.speculative import TargetRunner, greedy_generate, speculative_generate
 from specgen.data.prompts import read_prompts
+from specgen.draft.checkpoint import save_draft
+from specgen.draft.speculative import TargetRunner, greedy_generate, speculative_generate
+from specgen.methods.eagle3.model import Eagle3Draft, draft_config
 from tests.conftest import DATASETS, build_tiny_model, require_shared
 from tests.test_draft_model import one_thread  # noqa: F401 (fixture)
 
@@ -30,7 +30,8 @@ def load(target_dir) -> transformers.PreTrainedModel:
 
 def random_draft(model: transformers.PreTrainedModel, draft_to_target: list[int], seed: int = 0) -> Eagle3Draft:
     torch.manual_seed(seed)
-    draft = Eagle3Draft(draft_config(model.config, aux_layers=AUX, draft_vocab_size=len(draft_to_target)))
+    draft = Eagle3Draft(draft_config(model.config, aux_layers=AUX, draft_vocab_size=len(draft_to_target),
+                                     norm_before_residual=False))
     draft.d2t.copy_(torch.tensor(draft_to_target) - torch.arange(len(draft_to_target)))
     draft.t2d[draft_to_target] = True
     draft.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)

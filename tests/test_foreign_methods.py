@@ -7,8 +7,8 @@ import torch
 import transformers
 
 from specgen.draft.checkpoint import load_draft
-from specgen.draft.model import Eagle3Draft, draft_config
-from specgen.draft.peagle import PEagleDraft, cod_selection, peagle_forward
+from specgen.methods.eagle3.model import Eagle3Draft, draft_config
+from specgen.methods.peagle.method import PEagleDraft, cod_selection, peagle_forward
 from tests.test_foreign_packages import (
     TARGET,
     assert_same,
@@ -39,7 +39,7 @@ def test_speculators_runs_our_eagle31_export_as_specgen_does(target, inputs, tmp
     torch.manual_seed(0)
     draft = moved(Eagle3Draft(draft_config(config, aux_layers=[1, 3, 4], draft_vocab_size=1024,
                                            fc_norm=not norm_before_fc, norm_output=True,
-                                           norm_before_fc=norm_before_fc)), embedding)
+                                           norm_before_fc=norm_before_fc, norm_before_residual=False)), embedding)
     model = load_speculators(export(draft, "speculators", tmp_path / "speculators"))
     assert (model.fc_norm is None) == norm_before_fc and (model.input_norm is None) != norm_before_fc
     assert model.config.norm_output
@@ -89,8 +89,8 @@ def test_a_peagle_training_step_equals_speculators(target, tmp_path, monkeypatch
     import speculators.models.peagle.core as core
     from speculators.losses import eager
 
+    from specgen.draft.batch import batch_target, collate
     from specgen.draft.target_head import TargetHead
-    from specgen.draft.ttt import batch_target, collate
     from specgen.draft.vocab import VocabMapping
 
     target_model = transformers.AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32)

@@ -15,9 +15,10 @@ import transformers
 from safetensors.torch import load_file
 
 from specgen.assets import ASSETS_DIR
+from specgen.draft.aux import aux_layers_of
 from specgen.draft.checkpoint import load_draft
 from specgen.draft.exports import export_files, write_files
-from specgen.draft.model import DraftKV, Eagle3Draft, aux_layers_of, draft_config
+from specgen.methods.eagle3.model import DraftKV, Eagle3Draft, draft_config
 
 pytestmark = pytest.mark.vllm  # runs in vLLM's venv, where the packages are installed
 
@@ -41,7 +42,7 @@ def inputs():
 def specgen_draft(target, seed: int = 0) -> Eagle3Draft:
     config, embedding = target
     torch.manual_seed(seed)
-    draft = Eagle3Draft(draft_config(config, aux_layers=[1, 3, 4], draft_vocab_size=1024))
+    draft = Eagle3Draft(draft_config(config, aux_layers=[1, 3, 4], draft_vocab_size=1024, norm_before_residual=False))
     draft.d2t.copy_(torch.arange(1024))  # draft id d -> target id 2d
     draft.t2d[torch.arange(1024) * 2] = True
     for parameter in draft.parameters():
@@ -215,9 +216,10 @@ def test_a_training_step_equals_speculators_trainer_step(target, tmp_path):
     shorter it scores the previous sample's last positions against this sample's targets; specgen does not.)"""
     from speculators.losses import eager
 
+    from specgen.draft.batch import batch_target, collate
     from specgen.draft.target_head import TargetHead
-    from specgen.draft.ttt import batch_target, collate, ttt_forward
     from specgen.draft.vocab import VocabMapping
+    from specgen.methods.eagle3.ttt import ttt_forward
 
     target_model = transformers.AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32)
     config, embedding = target

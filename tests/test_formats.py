@@ -9,10 +9,11 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from specgen.config import compose
+from specgen.draft.aux import aux_layers_of
 from specgen.draft.checkpoint import load_draft, read_draft_config, save_draft
 from specgen.draft.exports import export_files, write_files
-from specgen.draft.model import Eagle3Draft, aux_layers_of, draft_config
 from specgen.errors import SpecgenError
+from specgen.methods.eagle3.model import Eagle3Draft, draft_config
 from tests.test_draft_model import PUBLISHED_NAMES, one_thread  # noqa: F401 (fixture)
 
 AUX = [1, 3, 4]
@@ -25,7 +26,7 @@ def target_config() -> transformers.LlamaConfig:
 
 def tiny_draft(aux=AUX, seed: int = 0) -> Eagle3Draft:
     torch.manual_seed(seed)
-    draft = Eagle3Draft(draft_config(target_config(), aux_layers=aux, draft_vocab_size=20))
+    draft = Eagle3Draft(draft_config(target_config(), aux_layers=aux, draft_vocab_size=20, norm_before_residual=False))
     draft.d2t.copy_(torch.arange(20) * 2 - torch.arange(20))
     draft.t2d[torch.arange(20) * 2] = True
     for parameter in draft.parameters():  # norms away from 1, so a misplaced norm changes the logits
@@ -46,7 +47,7 @@ def write(tmp_path: Path, fmt: str, draft: Eagle3Draft | None = None, **kwargs) 
 
 def logits(draft: Eagle3Draft) -> torch.Tensor:
     """The draft's logits on fixed inputs: one base step over 5 positions, then one chain step."""
-    from specgen.draft.model import DraftKV
+    from specgen.methods.eagle3.model import DraftKV
 
     torch.manual_seed(3)
     k = len(aux_layers_of(draft.config))
@@ -246,7 +247,7 @@ def test_each_engine_feeds_the_draft_the_layers_it_was_trained_on(tmp_path, fmt,
 
     path = ASSETS_DIR / "tiny-target"
     target = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    draft = Eagle3Draft(draft_config(target.config, aux_layers=AUX, draft_vocab_size=16))
+    draft = Eagle3Draft(draft_config(target.config, aux_layers=AUX, draft_vocab_size=16, norm_before_residual=False))
     config, _ = export_files(draft.config, stored(draft), fmt, verifier=str(path))
     ids = torch.tensor([[5, 17, 99, 3, 250]])
     with torch.no_grad():

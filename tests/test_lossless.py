@@ -14,8 +14,8 @@ from specgen.data.prompts import chat_prompt_ids, read_prompts
 from specgen.draft import speculative
 from specgen.draft.checkpoint import save_draft
 from specgen.draft.lossless import classify, diagnose, first_divergence, in_float32, verdict
-from specgen.draft.model import Eagle3Draft, draft_config
 from specgen.draft.speculative import TargetRunner, greedy_generate, speculative_generate
+from specgen.methods.eagle3.model import Eagle3Draft, draft_config
 from specgen.runtime import load_tokenizer
 from tests.test_draft_model import one_thread  # noqa: F401 (fixture)
 
@@ -32,7 +32,8 @@ def load(dtype: torch.dtype) -> transformers.PreTrainedModel:
 def random_draft(model) -> Eagle3Draft:
     """A draft that accepts (almost) nothing: random weights over the full vocabulary."""
     torch.manual_seed(0)
-    draft = Eagle3Draft(draft_config(model.config, aux_layers=AUX, draft_vocab_size=model.config.vocab_size))
+    draft = Eagle3Draft(draft_config(model.config, aux_layers=AUX, draft_vocab_size=model.config.vocab_size,
+                                     norm_before_residual=False))
     draft.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)
     return draft.to(model.dtype).eval()
 

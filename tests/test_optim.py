@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from specgen.draft.optim import Muon, MuonAdamW, build_optimizer, newton_schulz_dtype, orthogonalize
-from specgen.draft.trainer import lr_schedule
+from specgen.training.optim import Muon, MuonAdamW, build_optimizer, newton_schulz_dtype, orthogonalize
+from specgen.training.trainer import lr_schedule
 from tests.test_draft_model import one_thread, tiny_draft  # noqa: F401 (fixture)
 
 SETTINGS = dict(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0, muon_weight_decay=0.1)

@@ -23,7 +23,8 @@ from specgen.config import compose
 from specgen.data.prefixes import plan_prefixes
 from specgen.data.sample import TokenizedSample
 from specgen.errors import SpecgenError
-from specgen.generate import prefix_reuse_summary, run
+from specgen.capture.manifest import prefix_reuse_summary
+from specgen.generate import run
 from specgen.verify import relative_error
 from specgen.verify import run as verify
 

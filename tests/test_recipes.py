@@ -1,7 +1,8 @@
 """Recipes run as written: every command in every bundled recipe's header comment runs, in order, on the bundled
 tiny target (its paths pointed at the tiny target, its sample and a temporary folder; sizes cut to seconds), so a
 recipe cannot drift from the code. And each stage of a recipe writes its own folder: no stage resolves its output
-to another's."""
+to another's. Each header leads with its `specgen run` line, whose stages (`run.stages`) are the header's commands,
+in order, wired as the header wires them (tests/test_run.py runs one)."""
 
 import importlib
 import re
@@ -9,9 +10,11 @@ import shlex
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from conftest import BUNDLED_CHAT, REPO
 from specgen.config import RECIPES_DIR, compose
+from specgen.runner import make_plan
 
 TINY = REPO / "specgen" / "assets" / "tiny-target"
 HELDOUT = REPO / "specgen" / "assets" / "chat" / "heldout.jsonl"
@@ -29,15 +32,17 @@ SMALL = {
 COMMON = {"runtime.device": "cpu", "runtime.threads": "1", "runtime.progress": "false"}  # every stage but export
 
 
-def header_commands(recipe: Path) -> list[tuple[str, list[str]]]:
-    """(stage, arguments) of every command written in the recipe's leading comment block, in order."""
+def header_commands(recipe: Path, *, stages: bool = True) -> list[tuple[str, list[str]]]:
+    """(stage, arguments) of every command written in the recipe's leading comment block, in order: the stages'
+    commands, or (stages=False) its `specgen run` lines."""
     commands = []
     for line in recipe.read_text().splitlines():
         if not line.startswith("#"):
             break
         if match := COMMAND.match(line):
             stage = match.group(1) or match.group(2)
-            commands.append((stage, shlex.split(match.group(3).split(" #")[0])))
+            if (stage != "run") == stages:
+                commands.append((stage, shlex.split(match.group(3).split(" #")[0])))
     return commands
 
 
@@ -82,6 +87,29 @@ def test_recipe_header_commands_run_in_order(recipe, tmp_path):
         assert (produced["train"] / "model.safetensors").is_file()
     if "evaluate" in produced:
         assert (produced["evaluate"] / "eval.json").is_file()
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: path.stem)
+def test_recipe_header_leads_with_its_run_line(recipe):
+    """The first command of the header is `specgen run recipe=NAME run.dir=R ...`; its plan runs the header's stage
+    commands in their order, each reading the folder the header's earlier command wrote."""
+    runs = header_commands(recipe, stages=False)
+    assert len(runs) == 1, recipe.name
+    first = next(line for line in recipe.read_text().splitlines() if COMMAND.match(line))
+    assert first.split("#", 2)[1].strip().startswith(f"specgen run recipe={recipe.stem} run.dir="), recipe.name
+    plan = make_plan(runs[0][1])
+    stages = header_commands(recipe)
+    assert [step.stage for step in plan.steps] == [stage for stage, _ in stages]
+    written = {}  # the header's folder name -> the plan's folder for it
+    for step, (stage, args) in zip(plan.steps, stages):
+        keys = dict(arg.split("=", 1) for arg in args)
+        written[keys["output.dir"]] = step.folder
+        for key in ("data.shards", "draft.path"):
+            if key in keys:
+                assert OmegaConf.select(step.cfg, key) == str(written[keys[key]]), (recipe.name, stage, key)
+        if stage == "generate" and keys.get("data.path", "").startswith("["):
+            sources = keys["data.path"].strip("[]").split(",")
+            assert list(step.cfg.data.path) == [str(written.get(s, s)) for s in sources]
 
 
 @pytest.mark.parametrize("recipe", [path.stem for path in RECIPES])

@@ -19,7 +19,8 @@ from specgen.config import compose
 from specgen.data.formats import normalize
 from specgen.errors import SpecgenError
 from specgen.regen.reply import assistant_reply
-from specgen.regenerate import run, template_kwargs
+from specgen.regen.setup import template_kwargs
+from specgen.regenerate import run
 
 MAX_NEW_TOKENS = 6
 
@@ -472,7 +473,7 @@ def test_the_engine_context_never_exceeds_the_model_positions():
 
     from transformers import AutoConfig
 
-    from specgen.regenerate import context_limits
+    from specgen.regen.setup import context_limits
 
     model = SimpleNamespace(config=AutoConfig.from_pretrained(TINY_TARGET))
     common = [f"model.path={TINY_TARGET}", "engine=vllm", "regenerate.max_new_tokens=48"]
@@ -549,7 +550,7 @@ def test_resampling_draws_a_looping_turn_again_then_drops_its_row(chat_model, tm
 
     # No looping draw is kept: watch the real model's draws (what the generator returns) in one unit.
     from specgen.data.sources import iter_records
-    from specgen.regenerate import build_regenerator, load_model
+    from specgen.regen.setup import build_regenerator, load_model
     from specgen.runtime import load_tokenizer
 
     cfg = compose("regenerate", [f"model.path={chat_model}", f"data.path={source}", "runtime.device=cpu", *rule,
@@ -583,7 +584,7 @@ def test_progress_moves_per_row_chunk_and_per_decoding_step(chat_model, tmp_path
     """regenerate reports rows as each chunk of regenerate.batch_size rows finishes, and tokens after every
     decoding step (so a long batch is visibly alive); the reported tokens add up to the generated ones."""
     from specgen.data.sources import iter_records
-    from specgen.regenerate import build_regenerator, load_model
+    from specgen.regen.setup import build_regenerator, load_model
     from specgen.runtime import load_tokenizer
 
     source = write_source(tmp_path / "source.jsonl", CONVERSATIONS)
@@ -644,3 +645,137 @@ def test_synthesized_user_turns_need_sampling_and_every_turn(chat_model, tmp_pat
     with pytest.raises(SpecgenError, match="regenerate.turns=all"):
         regenerate(chat_model, source, tmp_path / "last", "regenerate.user_turns=synthesize",
                    "regenerate.temperature=1.0", "regenerate.turns=last")
+
+
+# --- growing a dataset: a re-run with a larger data.max_rows on the same output.dir (specgen.regen.grow) ---------
+
+def grow_command(*overrides: str) -> list[str]:
+    """Sampled (so the per-part seeding is exercised), in parts of 3 rows: data.max_rows=4 ends in a short part."""
+    return ["output.shard_size=3", "regenerate.temperature=1.0", "regenerate.top_k=8", "regenerate.max_new_tokens=4",
+            *overrides]
+
+
+def without_run_bookkeeping(manifest: dict) -> dict:
+    config = {**manifest["config"], "output": {**manifest["config"]["output"], "dir": None}}
+    return {**manifest, "config": config, "last_run": None, "extensions": None}
+
+
+@pytest.fixture(scope="module")
+def grown(chat_model, tmp_path_factory) -> tuple[Path, Path, dict, dict]:
+    """(source, the dataset made at once with data.max_rows=8, its manifest, the manifest of the same dataset grown
+    from data.max_rows=4); the grown dataset is in `source.parent / "grown"`."""
+    root = tmp_path_factory.mktemp("grow")
+    source = write_source(root / "source.jsonl", CONVERSATIONS * 2)  # 10 rows
+    once = regenerate(chat_model, source, root / "once", *grow_command("data.max_rows=8"))
+    regenerate(chat_model, source, root / "grown", *grow_command("data.max_rows=4"))
+    kept = os.stat(root / "grown" / "part-00000.jsonl").st_mtime_ns
+    grown_manifest = regenerate(chat_model, source, root / "grown", *grow_command("data.max_rows=8"))
+    assert os.stat(root / "grown" / "part-00000.jsonl").st_mtime_ns == kept  # the full part was kept, not redone
+    return source, root / "once", once, grown_manifest
+
+
+def test_growing_equals_one_run_of_the_larger_size(grown, chat_model, capsys):
+    source, once_dir, once, manifest = grown
+    out_dir = source.parent / "grown"
+    assert list(part_files(out_dir)) == list(part_files(once_dir)) == [
+        "part-00000.json", "part-00000.jsonl", "part-00001.json", "part-00001.jsonl", "part-00002.json",
+        "part-00002.jsonl"]
+    assert part_files(out_dir) == part_files(once_dir)  # the short part 1 was regenerated with its 3 rows
+    assert (out_dir / "rejected.jsonl").read_bytes() == (once_dir / "rejected.jsonl").read_bytes()
+    assert without_run_bookkeeping(manifest) == without_run_bookkeeping(once)
+    growth = {"from_max_rows": 4, "to_max_rows": 8, "from_rows": 4, "to_rows": 8, "units_kept": 1,
+              "units_regenerated": [1], "units": 3, "units_new": 2}
+    assert [{k: v for k, v in g.items() if k != "started"} for g in manifest["extensions"]] == [growth]
+    assert manifest["last_run"]["grown"] == manifest["extensions"][0] and once["extensions"] == []
+
+    # Growing to every row (null): part 2 (rows 6-7) gets row 8, part 3 (row 9) is new; a re-run then grows nothing.
+    capsys.readouterr()
+    everything = regenerate(chat_model, source, out_dir, *grow_command("data.max_rows=null"))
+    assert "extended from 8 to 10 rows (2 units kept, 2 new; data.max_rows=8 -> null)" in capsys.readouterr().out
+    assert everything["stats"]["source_rows"] == 10 and len(everything["parts"]) == 4
+    again = regenerate(chat_model, source, out_dir, *grow_command("data.max_rows=null"))
+    assert "extended" not in capsys.readouterr().out and again["extensions"] == everything["extensions"]
+    assert [g["to_max_rows"] for g in again["extensions"]] == [8, None] and again["last_run"]["grown"] is None
+
+
+def test_generate_reads_the_first_rows_of_a_grown_dataset(grown, chat_model, tmp_path):
+    """specgen generate data.path=DIR data.max_rows=N reads the first N rows of a grown dataset: its parts in order,
+    the kept ones and the new ones as one source."""
+    from specgen import open_shards
+    from specgen.data.sources import capped_source
+    from specgen.generate import run as generate
+
+    source, _, _, _ = grown
+    out_dir = source.parent / "grown"
+    rows = output_rows(out_dir)  # every part, in part order
+    assert len(rows) >= 8
+    for n in (2, 4, 7, len(rows)):  # within the kept part, across the replaced one, into the new ones, all
+        assert [record.record for record in capped_source(out_dir, n).records] == rows[:n]
+    captured = generate(compose("generate", [f"model.path={chat_model}", f"data.path={out_dir}", "data.max_rows=7",
+                                             f"output.dir={tmp_path / 'shards'}", "runtime.progress=false",
+                                             "capture.aux_layers=[0,1]"]))
+    assert captured["stats"]["rejected"] == {}
+    dataset = open_shards(tmp_path / "shards")
+    assert sorted(dataset[i]["sample_id"] for i in range(len(dataset))) == sorted(row["id"] for row in rows[:7])
+
+
+def test_a_growth_stopped_midway_completes_on_a_re_run(grown, chat_model, tmp_path, monkeypatch):
+    """A growth killed after the short part was replaced but before its sidecar was written (the replacement's
+    window), then again after the next part: each re-run finishes the same dataset as one run of the larger size."""
+    import specgen.regenerate as stage
+    from specgen.regen import parts
+    from specgen.store.commit import commit_file
+
+    class Killed(BaseException):
+        pass
+
+    source, once_dir, once, _ = grown
+    out_dir = tmp_path / "out"
+    regenerate(chat_model, source, out_dir, *grow_command("data.max_rows=4"))
+    commit_unit, write_part = parts.commit_unit, stage.write_part
+
+    def killed_after_the_rename(tmp, path, sidecar_path, sidecar, checksum=None, *, file_first=False):
+        if file_first:
+            commit_file(tmp, path)
+            raise Killed
+        return commit_unit(tmp, path, sidecar_path, sidecar, checksum, file_first=file_first)
+
+    monkeypatch.setattr(parts, "commit_unit", killed_after_the_rename)
+    with pytest.raises(Killed):
+        regenerate(chat_model, source, out_dir, *grow_command("data.max_rows=8"))
+    assert (out_dir / "part-00001.jsonl").exists() and not (out_dir / "part-00001.json").exists()
+    monkeypatch.setattr(parts, "commit_unit", commit_unit)
+
+    def killed_at_unit_2(out, unit, *args):
+        if unit == 2:
+            raise Killed
+        return write_part(out, unit, *args)
+
+    monkeypatch.setattr(stage, "write_part", killed_at_unit_2)
+    with pytest.raises(Killed):
+        regenerate(chat_model, source, out_dir, *grow_command("data.max_rows=8"))
+    monkeypatch.setattr(stage, "write_part", write_part)
+    manifest = regenerate(chat_model, source, out_dir, *grow_command("data.max_rows=8"))
+
+    assert part_files(out_dir) == part_files(once_dir) and not list(out_dir.glob("*.tmp"))
+    assert without_run_bookkeeping(manifest) == without_run_bookkeeping(once)
+    assert manifest["last_run"]["grown"]["units_kept"] == 1 and manifest["last_run"]["grown"]["units_new"] == 2
+
+
+def test_a_smaller_size_or_another_setting_is_refused(grown, chat_model, tmp_path):
+    source, _, _, _ = grown
+    out_dir = source.parent / "grown"
+    before = part_files(out_dir)
+    with pytest.raises(SpecgenError, match=r"^output.dir=\S+ holds \d+ source rows regenerated with data.max_rows="
+                                           r"\S+, and a dataset here only grows, so data.max_rows=2 is refused; to "
+                                           r"train on fewer rows pass data.max_rows=2 to specgen generate"):
+        regenerate(chat_model, source, out_dir, *grow_command("data.max_rows=2"))
+    with pytest.raises(SpecgenError, match=r"different configuration \(changed: data.max_rows, "
+                                           r"generation.max_new_tokens\)"):
+        regenerate(chat_model, source, out_dir, *grow_command("data.max_rows=9"), "regenerate.max_new_tokens=5")
+    assert part_files(out_dir) == before
+
+    two = [f"data.path=[{source},{source}]"]
+    regenerate(chat_model, source, tmp_path / "two", *grow_command("data.max_rows=1"), *two)
+    with pytest.raises(SpecgenError, match="data.max_rows caps each source"):
+        regenerate(chat_model, source, tmp_path / "two", *grow_command("data.max_rows=2"), *two)

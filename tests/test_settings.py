@@ -80,3 +80,26 @@ def test_vllm_capture_length_stays_within_the_model_positions():
         capture_model_len(2048, None, 2048)
     with pytest.raises(SpecgenError, match=r"above engine.max_model_len=512: pass data.max_length=511 or less$"):
         capture_model_len(1024, 512, 2048)
+
+
+def test_schema_settings_are_the_composed_config_typed_and_frozen():
+    """`specgen.schema.settings`: every key of the stage, its configured value, typed by the schema, frozen; a key
+    the stage does not have is an AttributeError (no component can fall back on a default of its own)."""
+    import dataclasses
+
+    from specgen.config import settings_of, to_container
+    from specgen.schema import settings
+
+    cfg = compose("train", ["recipe=demo", "train.lr=0.002", "draft.dflash.block_size=9"])
+    typed = settings(cfg)
+    plain = to_container(cfg)
+    plain.pop("hydra", None)
+    assert dataclasses.asdict(typed) == plain
+    assert (typed.train.lr, typed.draft.dflash.block_size, typed.draft.norm_before_residual) == (0.002, 9, True)
+    fields = {field.name: field.type for field in dataclasses.fields(typed.train)}
+    assert fields["lr"] is float and fields["max_steps"] == int | None and fields["betas"] is list
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        typed.train.lr = 1.0
+    with pytest.raises(AttributeError):
+        typed.draft.path  # evaluate's and export's key, not train's
+    assert settings_of("train", ["train.ttt_length=3"], "train").ttt_length == 3

@@ -253,9 +253,9 @@ def test_an_object_of_an_earlier_run_is_captured_again(tmp_path):
     """An object a server finished for the run the folder held before (same name, another identity) is not
     trained on: the trainer deletes it and takes the one captured for its own run."""
     from specgen.data.sample import TokenizedSample
-    from specgen.draft.batches import BatchPlan
     from specgen.stream import StreamBatches, StreamSettings
     from specgen.stream.spool import batch_name
+    from specgen.training.plan import BatchPlan
 
     samples = [TokenizedSample(f"s{i}", i, list(range(1, 4 + i)), [0, 1, 1] + [1] * i) for i in range(2)]
     spool, transport = Spool(tmp_path), FileTransport(tmp_path / OBJECTS)
@@ -290,8 +290,8 @@ def test_requests_run_ahead_across_the_end_of_an_epoch(tmp_path):
     """While the last batch of epoch 0 trains, the first batches of epoch 1 are already asked for (servers never idle
     at an epoch boundary), and epoch 1 then continues that stream in plan order."""
     from specgen.data.sample import TokenizedSample
-    from specgen.draft.batches import BatchPlan
     from specgen.stream import StreamBatches, StreamSettings
+    from specgen.training.plan import BatchPlan
 
     samples = [TokenizedSample(f"s{i}", i, list(range(1, 4 + i)), [0] + [1] * (2 + i)) for i in range(4)]
     spool, transport, stop = Spool(tmp_path), FileTransport(tmp_path / OBJECTS), threading.Event()

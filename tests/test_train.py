@@ -1,8 +1,8 @@
 """`specgen.train`: offline from real shards, online with the target in the loop, checkpoints, resume."""
 
 import json
-import re
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from specgen.assets import ASSETS_DIR
 from specgen.config import compose
 from specgen.draft.checkpoint import load_draft
-from specgen.draft.optim import newton_schulz_dtype
 from specgen.errors import SpecgenError
+from specgen.training.optim import newton_schulz_dtype
 from tests.conftest import build_tiny_model
 from tests.test_draft_model import PUBLISHED_NAMES, one_thread  # noqa: F401 (fixture)
 
@@ -150,8 +150,8 @@ def uninterrupted(shards, tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kill_before, resumes_from", [
-    ("specgen.draft.strategy:DDPStrategy.save", 2),  # step 3's weights written, its optimizer not
-    ("specgen.draft.trainer:TrainerState.save", 2),  # weights and optimizer written, the loop state not
+    ("specgen.training.strategy:DDPStrategy.save", 2),  # step 3's weights written, its optimizer not
+    ("specgen.training.trainer:TrainerState.save", 2),  # weights and optimizer written, the loop state not
     ("specgen.draft.checkpoint:Checkpoints._write_latest", 3),  # renamed into place, the pointer still says step 2
     ("specgen.draft.checkpoint:Checkpoints._publish", 3),  # output.dir's draft still step 2's
     ("specgen.draft.checkpoint:Checkpoints._prune", 3),  # three checkpoints left, one too many
@@ -203,7 +203,7 @@ def test_a_kill_inside_the_first_save_leaves_nothing_to_resume(shards, tmp_path)
 
     out = tmp_path / "ckpt"
     overrides = [*QUICK, f"data.shards={shards}", f"output.dir={out}", *SAVED]
-    killed = subprocess.run([sys.executable, "-c", KILL_AT, "specgen.draft.trainer:TrainerState.save", "1",
+    killed = subprocess.run([sys.executable, "-c", KILL_AT, "specgen.training.trainer:TrainerState.save", "1",
                              *overrides], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert killed.returncode == 137
     assert [path.name for path in (out / "checkpoints").iterdir()] == ["step-000001.tmp"]
@@ -420,10 +420,10 @@ def test_the_summary_says_when_the_draft_vocabulary_is_smaller_than_asked(shards
 
 
 def test_heldout_split_is_fixed_disjoint_and_kept_out_of_every_training_batch(shards):
-    from specgen.draft.batches import BatchPlan
-    from specgen.draft.offline import OfflineBatches
-    from specgen.draft.probe import heldout_split
     from specgen.store.reader import open_shards
+    from specgen.training.offline import OfflineBatches
+    from specgen.training.plan import BatchPlan
+    from specgen.training.probe import heldout_split
 
     trained, held = heldout_split(ROWS, 4)
     assert len(held) == 4 and sorted(trained + held) == list(range(ROWS)) and heldout_split(ROWS, 4) == (trained, held)
@@ -448,11 +448,11 @@ def test_heldout_samples_are_scored_like_a_training_step_at_eval_every_and_the_l
     heldout_* metrics at steps 20 and 30 (the last) and in the summary; heldout_acc_0 at the last step equals step 0's
     accuracy worked out by hand from the saved draft on those 4 samples (draft argmax == target argmax where the
     predicted token is trained)."""
-    from specgen.draft.model import DraftKV
-    from specgen.draft.probe import heldout_split
     from specgen.draft.target_head import load_target_weights
     from specgen.draft.vocab import VocabMapping, count_trained_tokens
+    from specgen.methods.eagle3.model import DraftKV
     from specgen.store.reader import open_shards
+    from specgen.training.probe import heldout_split
 
     ckpt = tmp_path / "ckpt"
     train([f"data.shards={shards}", f"output.dir={ckpt}", "train.max_steps=30", "train.log_every=15",
@@ -499,3 +499,21 @@ def test_heldout_samples_need_offline_shards_and_eval_every_accepts_them_alone(s
     train([f"data.shards={shards}", f"output.dir={ckpt}", "train.max_steps=2", "train.heldout_samples=2",
            "train.eval_every=1"])
     assert all("heldout_loss" in line and "accept_len" not in line for line in metrics(ckpt))
+
+
+def test_the_training_seam_trains_what_the_stage_trains(shards, uninterrupted, tmp_path):
+    """`build_training(settings)` (what benchmarks and notebooks call) ends with the weights `specgen train` ends
+    with, on the same settings: the stage adds the job around it, nothing to the training."""
+    from safetensors.torch import load_file
+
+    from specgen.config import settings_of
+    from specgen.training.setup import Process, build_training
+
+    out = tmp_path / "seam"
+    settings = settings_of("train", [*QUICK, f"data.shards={shards}", f"output.dir={out}", *SAVED])
+    torch.set_num_threads(settings.runtime.threads)  # as the stage does
+    training = build_training(settings, Process(torch.device("cpu")), out)
+    training.fit()
+    assert training.trainer.state.step == 4
+    ours, stage = load_file(out / "model.safetensors"), load_file(uninterrupted / "model.safetensors")
+    assert ours.keys() == stage.keys() and all(torch.equal(ours[name], stage[name]) for name in ours)

@@ -71,7 +71,7 @@ def vllm_cpu_context_keys():
     """specgen's DFlash decode with the context keys of every draft layer normalised by layer 0's k_norm, as vLLM
     0.32's CPU build computes them (its fused `ops.rms_norm` over the stacked k_norm weights uses row 0 only);
     the block slots' own keys keep each layer's k_norm, as in vLLM's forward."""
-    from specgen.draft.dflash import DFlashDraft
+    from specgen.methods.dflash.model import DFlashDraft
 
     trained_context_kv = DFlashDraft.context_kv
 
@@ -149,7 +149,7 @@ def test_vllm_reads_target_layer_ids_as_specgen_aux_layers(trained):
     from vllm.transformers_utils.config import get_config
     from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 
-    from specgen.draft.dflash import vllm_eagle_aux_ids
+    from specgen.methods.dflash.model import vllm_eagle_aux_ids
 
     config = json.loads((trained["draft"] / "config.json").read_text())
     manifest = json.loads((trained["shards"] / "manifest.json").read_text())

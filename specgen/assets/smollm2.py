@@ -27,7 +27,8 @@ import shutil
 from pathlib import Path
 
 from specgen.errors import SpecgenError
-from specgen.store.commit import HASH_ALGORITHM, content_hash, fsync_dir, write_json_atomic
+from specgen.data.sources import iter_records
+from specgen.store.commit import HASH_ALGORITHM, content_hash, fsync_dir, write_json_atomic, write_text_atomic
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "smollm2-135m-instruct"
@@ -149,8 +150,6 @@ def write_prompt_mix(out: str | Path, datasets: str | Path) -> int:
     """Interleave the rows of the `MIX` files of `datasets` round-robin (a file that runs out drops out) into the
     JSONL `out`, written atomically; returns the number of rows. Rows are copied as they are (each keeps its
     format; the readers detect it per row)."""
-    from specgen.data.sources import iter_records
-    from specgen.store.commit import write_text_atomic
 
     sources = [iter_records(Path(datasets) / name) for name in MIX]
     lines = []

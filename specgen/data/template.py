@@ -83,6 +83,13 @@ class ChatTemplateTokenizer:
         self.mask_empty_think = mask_empty_think
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
 
+    @classmethod
+    def from_settings(cls, tokenizer, data) -> "ChatTemplateTokenizer":
+        """The one way a stage builds it: from its data settings (`schema.settings(cfg, "data")` or any object with
+        max_length, train_turns, mask_empty_think and chat_template_kwargs as plain values)."""
+        return cls(tokenizer, max_length=data.max_length, train_turns=data.train_turns,
+                   mask_empty_think=data.mask_empty_think, chat_template_kwargs=data.chat_template_kwargs)
+
     def tokenize(self, item: Conversation | Pretokenized, source_index: int) -> TokenizeResult:
         sample_id = item.id if item.id is not None else f"row-{source_index}"
         if isinstance(item, Pretokenized):

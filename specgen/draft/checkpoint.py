@@ -29,26 +29,34 @@ import shutil
 from pathlib import Path
 
 import torch
+from torch import nn
 import transformers
 
-from specgen.draft import exports, methods
+from specgen import methods
+from specgen.draft import exports
 from specgen.draft.exports import CONFIG, WEIGHTS
-from specgen.draft.model import Eagle3Draft
 from specgen.errors import SpecgenError
-from specgen.store.commit import (TMP_SUFFIX, checksum_problems, commit_file, fsync_dir, fsync_file, numbered_files,
-                                  tmp_path, write_text_atomic)
+from specgen.store.commit import (
+    TMP_SUFFIX,
+    commit_file,
+    fsync_dir,
+    fsync_file,
+    numbered_files,
+    tmp_path,
+    write_text_atomic,
+)
 
 TRAINING_STATE = "training_state"
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 _STEP = re.compile(r"step-(\d+)")
-_NOT_STORED = ("embed_tokens.weight",)
+NOT_STORED = ("embed_tokens.weight",)  # the target's token embedding: every engine takes it from the target
 
 
-def save_draft(draft: Eagle3Draft, out_dir: str | Path, specgen_info: dict) -> None:
+def save_draft(draft: nn.Module, out_dir: str | Path, specgen_info: dict) -> None:
     """Write config.json and model.safetensors in the vllm format (each atomically), through the draft's method
-    (`specgen.draft.methods`), which records its name as config.json's `specgen.method`."""
-    tensors = {name: tensor for name, tensor in draft.state_dict().items() if name not in _NOT_STORED}
+    (`specgen.methods`), which records its name as config.json's `specgen.method`."""
+    tensors = {name: tensor for name, tensor in draft.state_dict().items() if name not in NOT_STORED}
     config, tensors = methods.of_model(draft).export(draft.config, tensors, "vllm", info=specgen_info)
     exports.write_files(out_dir, config, tensors)
 
@@ -76,43 +84,12 @@ def read_draft_config(path: str | Path, *, target_config: transformers.Pretraine
 
 def load_draft(path: str | Path, embedding: torch.Tensor | None = None, *,
                target_config: transformers.PretrainedConfig | None = None,
-               foreign_ids: str = "layer_outputs", method: str | None = None) -> Eagle3Draft:
-    """Load a draft checkpoint through its method (`specgen.draft.methods`); `embedding` is the target's input
+               foreign_ids: str = "layer_outputs", method: str | None = None) -> nn.Module:
+    """Load a draft checkpoint through its method (`specgen.methods`); `embedding` is the target's input
     embedding (not stored in the checkpoint). `method` (draft.method), when set, must be the checkpoint's."""
     folder = Path(path)
     chosen = methods.resolve(method, read_raw_config(folder), folder)
     return chosen.load(folder, embedding=embedding, target_config=target_config, foreign_ids=foreign_ids)
-
-
-def load_eagle_family(folder: Path, model_class: type, *, embedding: torch.Tensor | None,
-                      target_config: transformers.PretrainedConfig | None, foreign_ids: str) -> Eagle3Draft:
-    """An EAGLE-3 layout draft (eagle3, eagle3.1, p-eagle) as `model_class`, weights checked against checksums."""
-    config = read_draft_config(folder, target_config=target_config, foreign_ids=foreign_ids)
-    recorded = (read_raw_config(folder).get("specgen") or {}).get("checksums") or {}
-    damaged = checksum_problems({WEIGHTS: folder / WEIGHTS}, recorded)
-    if damaged:
-        raise SpecgenError(f"{folder}: {damaged[0]}; restore the checkpoint from a copy or train it again")
-    draft = model_class(config)
-    state = exports.canonical_tensors(exports.read_tensors(folder), config)
-    missing, unexpected = draft.load_state_dict(state, strict=False)
-    missing = [name for name in missing if name not in _NOT_STORED]
-    if missing or unexpected:
-        raise SpecgenError(f"{exports.weights_file(folder)} does not match its config: missing {missing}, "
-                           f"unexpected {unexpected}; the checkpoint is damaged or has a layout specgen does not "
-                           "implement")
-    if embedding is not None:
-        set_embedding(draft, embedding)
-    return draft
-
-
-def set_embedding(draft: Eagle3Draft, embedding: torch.Tensor) -> None:
-    """Copy the target's input embedding into the draft (its frozen token embedding)."""
-    expected = tuple(draft.embed_tokens.weight.shape)
-    if tuple(embedding.shape) != expected:
-        raise SpecgenError(f"the target's embedding is {tuple(embedding.shape)} but the draft expects {expected}: "
-                           "the draft was trained for another target")
-    with torch.no_grad():
-        draft.embed_tokens.weight.copy_(embedding)
 
 
 def specgen_info(config: transformers.PretrainedConfig | dict) -> dict:

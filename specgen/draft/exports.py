@@ -23,7 +23,7 @@ One file cannot serve vLLM and SGLang as trained, hence the formats (`FORMATS`):
 Every format records the aux layers unambiguously in its "specgen" section (`specgen_section`).
 
 Import (`canonical_config`, `canonical_tensors`) turns any of these, and SpecForge's and the published EAGLE-3
-checkpoints, into the in-memory form `specgen.draft.model` uses (the vllm format). A field that would change the
+checkpoints, into the in-memory form `specgen.methods.eagle3.model` uses (the vllm format). A field that would change the
 forward in a way specgen does not implement is a one-line `SpecgenError`, never ignored.
 """
 
@@ -35,7 +35,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from specgen.draft.model import ARCHITECTURE, aux_layers_of, serving_layer_ids
+from specgen.draft.aux import aux_layers_of, serving_layer_ids
 from specgen.errors import SpecgenError
 from specgen.store.commit import atomic_write, content_hash, write_json_atomic
 
@@ -44,6 +44,7 @@ log = logging.getLogger("specgen.draft.exports")
 FORMATS = ("vllm", "sglang", "specforge", "speculators")
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+ARCHITECTURE = "LlamaForCausalLMEagle3"  # the EAGLE-3 draft class vLLM and SGLang register
 LEGACY_WEIGHTS = "pytorch_model.bin"  # the published EAGLE-3 drafts
 AUX_LAYER_CONVENTION = "layer_outputs_0based"  # aux layer i = output of decoder layer i = HF hidden_states[i + 1]
 ID_MEANING = {  # what the format's eagle_aux_hidden_state_layer_ids hold, recorded next to them

@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 import transformers
 from transformers import DynamicCache
 
+from specgen import methods
 from specgen.capture.layers import layer_output_hooks
-from specgen.draft import methods
-from specgen.draft.model import Eagle3Draft
 from specgen.errors import SpecgenError
 from specgen.runtime.compat import cache_kwarg
 
@@ -114,10 +114,10 @@ def greedy_generate(target: TargetRunner, prompt_ids: list[int], *, max_new_toke
 
 
 @torch.inference_mode()
-def speculative_generate(target: TargetRunner, draft: Eagle3Draft, prompt_ids: list[int], *, num_draft_tokens: int,
+def speculative_generate(target: TargetRunner, draft: nn.Module, prompt_ids: list[int], *, num_draft_tokens: int,
                          max_new_tokens: int, eos_ids: set[int]) -> Generation:
     """Greedy speculative decoding with `num_draft_tokens` draft tokens per round, drafted the way vLLM drafts
-    with the draft's method (`specgen.draft.methods`: a chain for EAGLE-3, one parallel forward for P-EAGLE)."""
+    with the draft's method (`specgen.methods`: a chain for EAGLE-3, one parallel forward for P-EAGLE)."""
     if num_draft_tokens < 1:
         raise SpecgenError(f"evaluate.num_draft_tokens must be at least 1, got {num_draft_tokens}")
     start = time.perf_counter()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from specgen.errors import SpecgenError
 from specgen.store.commit import write_json_atomic
@@ -112,3 +113,32 @@ def read_token_counts(path: str | Path) -> tuple[dict[int, int], int]:
     except (OSError, json.JSONDecodeError, KeyError, ValueError) as error:
         raise SpecgenError(f"cannot read token counts from {path} ({error}); re-run specgen.generate to "
                            "rewrite it") from error
+
+
+class ReducedVocabHead:
+    """What every draft with a reduced vocabulary shares: `lm_head` over draft ids, `d2t` (target id = draft id +
+    d2t[draft id]) and `config.draft_vocab_size`. Mixed into the draft modules (EAGLE-3, DFlash)."""
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary ids to target-vocabulary ids (target = draft + d2t[draft])."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def init_lm_head_from_target(self, target_lm_head: torch.Tensor) -> None:
+        """Copy the target's LM head rows of the draft vocabulary (row d = target row d + d2t[d]) into lm_head."""
+        rows = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target_lm_head.to(self.lm_head.weight)[rows])
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+
+def default_mask_token_id(target_config) -> int:
+    """draft.mask_token_id when null: the target's pad token, else its (first) eos token, else 0."""
+    text = target_config.get_text_config()
+    for value in (getattr(text, "pad_token_id", None), getattr(text, "eos_token_id", None)):
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0

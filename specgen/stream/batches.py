@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from specgen.data.sample import TokenizedSample
-from specgen.draft.batches import BatchPlan
-from specgen.draft.online import collate_captured
-from specgen.draft.ttt import DraftBatch
+from specgen.draft.batch import DraftBatch
 from specgen.errors import SpecgenError
 from specgen.stream.spool import Spool, batch_name
 from specgen.stream.transport import FileTransport, UnreadableObject
+from specgen.training.online import collate_captured
+from specgen.training.plan import BatchPlan
 
 log = logging.getLogger("specgen.stream")
 

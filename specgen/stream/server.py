@@ -1,7 +1,7 @@
 """A capture server: claims the requests of a stream folder, runs the target's capture forward, puts the objects.
 
 It holds the target and nothing else: no data, no draft, no optimizer. It runs the capture online training runs
-(`specgen.draft.online.capture_samples`: the batch right-padded, one forward, each sample's rows cut out), so a
+(`specgen.capture.online.capture_samples`: the batch right-padded, one forward, each sample's rows cut out), so a
 trainer fed by servers trains on the tensors an online run computes itself. Servers join and leave at any time; a killed
 server's claim is taken over by another (`Spool.claim`).
 """
@@ -15,8 +15,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from specgen.capture.online import capture_samples
 from specgen.capture.target import TargetCapture
-from specgen.draft.online import capture_samples
 from specgen.stream.spool import Spool, process_started
 from specgen.stream.transport import FileTransport
 

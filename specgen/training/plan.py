@@ -3,7 +3,7 @@
 Two ways to fill a batch of `train.batch_tokens` tokens (`train.packing`):
 * padded (default): samples of similar length side by side, right-padded to the longest (`length_batches`);
 * packed: samples in random order laid end to end in one sequence (`packed_batches`, speculators' way); the draft
-  attends within each sample only (`specgen.draft.ttt.collate`, document ids), and no token is padding.
+  attends within each sample only (`specgen.draft.batch.collate`, document ids), and no token is padding.
 
 A plan depends only on the sample lengths, the seed, the epoch and the number of processes, never on timing, so
 a resumed run replays exactly the batches the interrupted run would have seen.

@@ -1,5 +1,5 @@
 """DFlash checkpoints: the layout vLLM 0.32's `method="dflash"` reads (written by `specgen.draft.checkpoint.save_draft`
-through `DFlashMethod.export`, read by `load_dflash`; the decode is `specgen.draft.dflash.DFlashProposer`).
+through `DFlashMethod.export`, read by `load_dflash`; the decode is `specgen.methods.dflash.method.DFlashProposer`).
 
     CKPT/config.json        Qwen3Config of the draft: model_type qwen3, architectures ["DFlashDraftModel"],
                             num_hidden_layers (draft layers), vocab_size (target), draft_vocab_size, target_hidden_size,
@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 import transformers
 
-from specgen.draft import exports, methods
-from specgen.draft.dflash import METHOD, DFlashDraft
-from specgen.draft.model import aux_layers_of
+from specgen import methods
+from specgen.draft import exports
+from specgen.draft.aux import aux_layers_of
+from specgen.draft.checkpoint import NOT_STORED
 from specgen.errors import SpecgenError
+from specgen.methods.dflash.model import METHOD, DFlashDraft
 from specgen.store.commit import checksum_problems
-
-_NOT_STORED = ("embed_tokens.weight",)
 
 
 def config_dict(config: transformers.Qwen3Config, dtype: str, info: dict | None = None) -> dict:
@@ -73,7 +73,7 @@ def load_dflash(path: str | Path, embedding: torch.Tensor | None = None) -> DFla
         state["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
     state.setdefault("t2d", _t2d(state["d2t"], config.vocab_size))
     missing, unexpected = draft.load_state_dict(state, strict=False)
-    missing = [name for name in missing if name not in _NOT_STORED]
+    missing = [name for name in missing if name not in NOT_STORED]
     if missing or unexpected:
         raise SpecgenError(f"{folder / exports.WEIGHTS} does not match its DFlash config: missing {missing}, "
                            f"unexpected {unexpected}")

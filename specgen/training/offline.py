@@ -5,10 +5,10 @@ from functools import partial
 
 from torch.utils.data import DataLoader
 
-from specgen.draft.batches import BatchPlan
-from specgen.draft.ttt import DraftBatch, collate
+from specgen.draft.batch import DraftBatch, collate
 from specgen.runtime.reaper import dataloader_worker_init
 from specgen.store.reader import ShardDataset
+from specgen.training.plan import BatchPlan
 
 
 class OfflineBatches:

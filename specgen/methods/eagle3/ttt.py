@@ -13,7 +13,7 @@ the default). speculators masks with m[i+1+j] instead (`mask_shift=1`: the step'
 also trains the prediction of the token after a reply and skips that of a reply's first token. (Masking with
 m[i], as some tools do, trains on predictions of prompt tokens and skips the first two of every reply.)
 Step j at index i sits at position i+j and attends to the base entries 0..i and its own chain (see
-`specgen.draft.model`), exactly like the j-th drafted token after verifying position i.
+`specgen.methods.eagle3.model`), exactly like the j-th drafted token after verifying position i.
 
 Per step: loss_j = mean over valid positions of the cross-entropy between the target distribution (restricted to
 the draft vocabulary and renormalised) and the draft's. With `drop_out_of_vocab` (train.out_of_vocab=drop) the
@@ -26,114 +26,18 @@ step 0, the number of leading steps whose argmax equals the target's; accept_len
 1 + sum_k prod_{j<=k} cacc_j with the conditional accuracies cacc_j = P(step j right | steps < j right).
 """
 
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from specgen.draft.model import DraftKV, Eagle3Draft
-from specgen.draft.target_head import TargetDistribution, TargetHead
-
-
-@dataclass
-class DraftBatch:
-    """A batch of samples with the target's hidden states: right-padded rows, or packed rows (several samples end
-    to end in one row, `train.packing`). `document_ids` says which sample each token belongs to (-1: padding);
-    the draft attends, and is scored, within one sample only. `position_ids` count from 0 in every sample."""
-
-    input_ids: torch.Tensor  # [B, T] long
-    loss_mask: torch.Tensor  # [B, T] long 0/1 (0 on padding)
-    aux_hidden_states: torch.Tensor  # [B, T, k*H]
-    last_hidden_state: torch.Tensor  # [B, T, H], post-norm
-    lengths: torch.Tensor  # [N] the N samples' lengths
-    position_ids: torch.Tensor  # [B, T] long
-    document_ids: torch.Tensor  # [B, T] long, -1 on padding
-
-    def to(self, device: torch.device | str) -> "DraftBatch":
-        return DraftBatch(*(t.to(device, non_blocking=True) for t in (
-            self.input_ids, self.loss_mask, self.aux_hidden_states, self.last_hidden_state, self.lengths,
-            self.position_ids, self.document_ids)))
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths.sum())
-
-
-def collate(rows: list[dict], pad_id: int = 0, packed: bool = False) -> DraftBatch:
-    """Per-sample dicts (`input_ids`, `loss_mask`, `aux_hidden_states`, `last_hidden_state`) -> one batch: one
-    right-padded row per sample, or (`packed`) all samples end to end in a single row."""
-    lengths = torch.tensor([len(row["input_ids"]) for row in rows])
-    groups = [rows] if packed else [[row] for row in rows]
-    width = int(lengths.sum()) if packed else int(lengths.max())
-    first = rows[0]
-    input_ids = torch.full((len(groups), width), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(len(groups), width, dtype=torch.long)
-    position_ids = torch.zeros(len(groups), width, dtype=torch.long)
-    document_ids = torch.full((len(groups), width), -1, dtype=torch.long)
-    aux = first["aux_hidden_states"].new_zeros(len(groups), width, first["aux_hidden_states"].shape[-1])
-    last = first["last_hidden_state"].new_zeros(len(groups), width, first["last_hidden_state"].shape[-1])
-    document = 0
-    for b, group in enumerate(groups):
-        start = 0
-        for row in group:
-            n = len(row["input_ids"])
-            span = slice(start, start + n)
-            input_ids[b, span] = torch.as_tensor(row["input_ids"])
-            loss_mask[b, span] = torch.as_tensor(row["loss_mask"])
-            position_ids[b, span] = torch.arange(n)
-            document_ids[b, span] = document
-            aux[b, span] = row["aux_hidden_states"]
-            last[b, span] = row["last_hidden_state"]
-            start += n
-            document += 1
-    return DraftBatch(input_ids, loss_mask, aux, last, lengths, position_ids, document_ids)
-
-
-def shift_left(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
-    """x[:, n:] padded back to x's length with `fill` (dim 1)."""
-    pad = x.new_full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill)
-    return torch.cat([x[:, n:], pad], dim=1)
-
+from specgen.draft.loss import TTTOutput, predicted_token_mask, same_document, shift_left
+from specgen.draft.target_head import TargetDistribution
+from specgen.methods.eagle3.model import DraftKV, Eagle3Draft
 
 # Positions a step scores at once (its logits over the draft vocabulary); longer rows score in chunks.
 SCORE_CHUNK = 4096
-
-# train.loss_mask -> mask_shift: step j at index i is scored where m[i + mask_shift + j] = 1.
-MASK_SHIFTS = {"predicted": 2, "input": 1}
-
-
-def predicted_token_mask(loss_mask: torch.Tensor, step: int, mask_shift: int = 2) -> torch.Tensor:
-    """[B, T] bool: the indices step `step` is scored at; with mask_shift 2 it predicts token i+2+step, a trained
-    token; with 1 its input token i+1+step is trained (speculators' convention)."""
-    return shift_left(loss_mask, mask_shift + step).bool()
-
-
-def target_positions_needed(loss_mask: torch.Tensor, mask_shift: int = 2) -> torch.Tensor:
-    """[B, T] bool: positions t whose target distribution some step uses (t = i+1+j for a scored step j at i)."""
-    return shift_left(loss_mask, mask_shift - 1).bool()
-
-
-# Columns of the per-step statistics: sums, so they can be added over micro-steps and processes before dividing.
-# STAT_VALID: positions in the loss; STAT_IN_VOCAB: positions whose target top token is in the draft vocabulary
-# (the only ones a draft can get right; with train.out_of_vocab=drop the two are equal).
-# STAT_CHAIN: indices (scored by step 0) where steps 0..j all matched the target's argmax.
-STAT_LOSS_SUM, STAT_VALID, STAT_CORRECT, STAT_PREDICTED, STAT_CHAIN, STAT_IN_VOCAB = range(6)
-
-
-@dataclass
-class TTTOutput:
-    loss: torch.Tensor  # what backward() runs on: sum_j decay^j * mean cross-entropy of step j
-    stats: torch.Tensor  # [ttt_length, 6] float64: loss sum, valid, correct, predicted, chain, in vocab (above)
-
-
-def same_document(document_ids: torch.Tensor, step: int, mask_shift: int = 2) -> torch.Tensor:
-    """[B, T] bool: indices i whose step `step` reads and predicts inside i's own sample (the loss-mask index
-    i + mask_shift + step, the farthest it looks at, belongs to the same document). All real indices of a padded
-    row qualify up to the end of the sample; in a packed row this keeps a step from scoring the next sample."""
-    reach = max(mask_shift, 1) + step
-    return (shift_left(document_ids, reach, fill=-1) == document_ids) & (document_ids >= 0)
 
 
 def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -208,27 +112,6 @@ def _score(draft: Eagle3Draft, outputs: torch.Tensor, target_probs: torch.Tensor
     return -(target_probs[rows[in_loss]] * log_probs[in_loss]).sum(), log_probs.detach().argmax(-1)
 
 
-def step_metrics(stats: torch.Tensor, decay: float) -> dict[str, float]:
-    """loss, loss_j, acc_j, cacc_j and accept_len_sim from summed statistics (accuracy: draft argmax == target
-    argmax; cacc_j and accept_len_sim: see the module docstring), and `scored`: the share of step 0's trainable
-    positions whose target top token lies in the draft vocabulary (the others no draft token can match)."""
-    stats = stats.double().cpu()
-    metrics: dict[str, float] = {}
-    losses = stats[:, STAT_LOSS_SUM] / stats[:, STAT_VALID].clamp(min=1)
-    accuracies = stats[:, STAT_CORRECT] / stats[:, STAT_PREDICTED].clamp(min=1)
-    metrics["loss"] = float(sum(decay ** step * loss for step, loss in enumerate(losses)))
-    metrics.update({f"loss_{step}": float(loss) for step, loss in enumerate(losses)})
-    metrics.update({f"acc_{step}": float(acc) for step, acc in enumerate(accuracies)})
-    # Share of the trainable positions a draft can get right: the target's top token is in the draft vocabulary.
-    metrics["trainable_positions"] = int(stats[0, STAT_PREDICTED])
-    metrics["scored"] = float(stats[0, STAT_IN_VOCAB] / stats[0, STAT_PREDICTED].clamp(min=1))
-    chains = torch.cat([stats[:1, STAT_PREDICTED], stats[:, STAT_CHAIN]])  # chain of length 0 is always right
-    metrics.update({f"cacc_{step}": float(chains[step + 1] / chains[step].clamp(min=1))
-                    for step in range(len(stats))})
-    metrics["accept_len_sim"] = float(1 + stats[:, STAT_CHAIN].sum() / chains[0].clamp(min=1))
-    return metrics
-
-
 class TTTObjective(nn.Module):
     """The draft and its TTT loss as one module, so DDP / DeepSpeed see one forward per micro-step.
 
@@ -236,8 +119,8 @@ class TTTObjective(nn.Module):
         -> (loss, stats).
     """
 
-    def __init__(self, draft: Eagle3Draft, *, ttt_length: int, decay: float, mask_shift: int = 2,
-                 drop_out_of_vocab: bool = True):
+    def __init__(self, draft: Eagle3Draft, *, ttt_length: int, decay: float, mask_shift: int,
+                 drop_out_of_vocab: bool):
         super().__init__()
         self.draft = draft
         self.ttt_length = ttt_length
@@ -253,8 +136,3 @@ class TTTObjective(nn.Module):
                           decay=self.decay, mask_shift=self.mask_shift, drop_out_of_vocab=self.drop_out_of_vocab,
                           position_ids=position_ids, document_ids=document_ids)
         return out.loss, out.stats
-
-
-def batch_target(head: TargetHead, batch: DraftBatch, mask_shift: int = 2) -> TargetDistribution:
-    """The target distributions one batch needs (the positions scored steps read, see target_positions_needed)."""
-    return head.distribution(batch.last_hidden_state, target_positions_needed(batch.loss_mask, mask_shift))

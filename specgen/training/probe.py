@@ -1,7 +1,7 @@
 """Held-out figures while training: real greedy speculative decoding of the live draft on a few held-out prompts
 (`AcceptanceProbe`), and the training step's own metrics on samples kept out of training (`HeldoutScore`).
 
-The training loss and the simulated acceptance (`specgen.draft.ttt.step_metrics`) are computed on the training
+The training loss and the simulated acceptance (`specgen.draft.loss.step_metrics`) are computed on the training
 data's own hidden states; this probe runs the draft as a serving engine would, against the target, on prompts the
 draft never saw, and counts acceptance as vLLM does (1 + accepted draft tokens / verification rounds). Each prompt
 is its first user turn (with its system prompt); every call decodes the same prompts, so successive figures of one
@@ -13,13 +13,17 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 
 from specgen.data.prompts import Prompt, chat_prompt_ids
-from specgen.draft.model import Eagle3Draft
-from specgen.draft.speculative import TargetRunner, replayed_greedy, speculative_generate
+from specgen.draft.speculative import (
+    TargetRunner,
+    replayed_greedy,
+    speculative_generate,
+)
 from specgen.draft.target_head import TargetHead
-from specgen.draft.trainer import forward_batch
 from specgen.errors import SpecgenError
+from specgen.training.trainer import forward_batch
 
 HELDOUT_SEED = 0  # the held-out samples do not depend on runtime.seed, so every seed of a run scores the same ones
 
@@ -53,7 +57,7 @@ class AcceptanceProbe:
         self.max_new_tokens = max_new_tokens
         self.eos_ids = eos_ids
 
-    def __call__(self, draft: Eagle3Draft) -> dict:
+    def __call__(self, draft: nn.Module) -> dict:
         start, rounds, accepted, lossless = time.perf_counter(), 0, 0, 0
         training = draft.training
         draft.eval()
@@ -75,7 +79,7 @@ class AcceptanceProbe:
 class HeldoutScore:
     """Called with no argument: the method's training metrics (loss, acc_j, accept_len_sim, ...) of the live draft
     on samples kept out of training, each key prefixed `heldout_`. The same objective, target distributions and
-    autocast as a training step (`specgen.draft.trainer.forward_batch`), without gradients, on the unwrapped
+    autocast as a training step (`specgen.training.trainer.forward_batch`), without gradients, on the unwrapped
     objective (main process only, as the acceptance probe).
 
     The training metrics are in-sample: after a few epochs over a small corpus a draft can score much higher there

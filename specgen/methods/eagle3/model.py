@@ -36,9 +36,11 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from specgen.draft.aux import num_aux_layers, serving_layer_ids
+from specgen.draft.exports import ARCHITECTURE
+from specgen.draft.vocab import ReducedVocabHead
 from specgen.errors import SpecgenError
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
 # Attention score elements (batch x heads x queries x keys) computed at once, per device type; longer rows attend
 # in query chunks (docs/benchmarks/2026-11-26-cuda-and-long-samples.md: on CPU 2^22 ran an 8k-token packed row
 # 13x faster than one dense pass; on a GPU larger chunks keep the kernel launches few).
@@ -55,7 +57,7 @@ OVERRIDABLE = ("intermediate_size", "num_attention_heads", "num_key_value_heads"
 
 
 def draft_config(target_config: transformers.PretrainedConfig, *, aux_layers: list[int], draft_vocab_size: int,
-                 overrides: dict | None = None, norm_before_residual: bool = False, fc_norm: bool = False,
+                 overrides: dict | None = None, norm_before_residual: bool, fc_norm: bool = False,
                  norm_before_fc: bool = False, norm_output: bool = False) -> transformers.LlamaConfig:
     """The draft's config, derived from the target's (text) config.
 
@@ -88,28 +90,6 @@ def draft_config(target_config: transformers.PretrainedConfig, *, aux_layers: li
     config.eagle_config = {"eagle_aux_hidden_state_layer_ids": serving_layer_ids(aux_layers),
                            "use_aux_hidden_state": True}
     return config
-
-
-def serving_layer_ids(aux_layers: list[int]) -> list[int]:
-    """specgen aux layers (0-based decoder-layer outputs) -> vLLM's `eagle_aux_hidden_state_layer_ids`.
-
-    vLLM (0.32, `llama.py` `_maybe_add_hidden_state`) and speculators number the residual stream entering layer k,
-    i.e. Hugging Face `hidden_states[k]` (0 = the embedding output), so the output of decoder layer i is id i + 1.
-    """
-    return [int(layer) + 1 for layer in aux_layers]
-
-
-def aux_layers_of(config: transformers.PretrainedConfig) -> list[int]:
-    """specgen's aux layers (0-based decoder-layer outputs) of a draft config (see `serving_layer_ids`); a DFlash
-    config records them as `dflash_config.target_layer_ids`, the same numbers (`specgen.draft.dflash`)."""
-    dflash = getattr(config, "dflash_config", None)
-    if dflash:
-        return [int(layer_id) for layer_id in dflash["target_layer_ids"]]
-    return [int(layer_id) - 1 for layer_id in config.eagle_config["eagle_aux_hidden_state_layer_ids"]]
-
-
-def num_aux_layers(config: transformers.PretrainedConfig) -> int:
-    return len(config.eagle_config["eagle_aux_hidden_state_layer_ids"])
 
 
 def _repeat_kv(states: torch.Tensor, times: int) -> torch.Tensor:
@@ -277,24 +257,6 @@ class DraftDecoderLayer(nn.Module):
         residual = (normed if self.norm_before_residual else hidden) + self.self_attn(x, cos, sin, kv,
                                                                                       extend_base=extend_base)
         return residual + self.mlp(self.post_attention_layernorm(residual))
-
-
-class ReducedVocabHead:
-    """What every draft with a reduced vocabulary shares: `lm_head` over draft ids, `d2t` (target id = draft id +
-    d2t[draft id]) and `config.draft_vocab_size`. Mixed into the draft modules (EAGLE-3, DFlash)."""
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Map draft-vocabulary ids to target-vocabulary ids (target = draft + d2t[draft])."""
-        return draft_ids + self.d2t[draft_ids]
-
-    def init_lm_head_from_target(self, target_lm_head: torch.Tensor) -> None:
-        """Copy the target's LM head rows of the draft vocabulary (row d = target row d + d2t[d]) into lm_head."""
-        rows = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
-        with torch.no_grad():
-            self.lm_head.weight.copy_(target_lm_head.to(self.lm_head.weight)[rows])
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]
 
 
 class Eagle3Draft(ReducedVocabHead, nn.Module):

@@ -13,14 +13,14 @@ from collections.abc import Iterator
 import torch
 
 from specgen.capture import TargetCapture
-from specgen.data.batching import pad_right
+from specgen.capture.online import capture_samples
 from specgen.data.prepare import prepare_rows
 from specgen.data.sample import TokenizedSample
 from specgen.data.sources import capped_source
 from specgen.data.template import ChatTemplateTokenizer
-from specgen.draft.batches import BatchPlan
-from specgen.draft.ttt import DraftBatch, collate
+from specgen.draft.batch import DraftBatch, collate
 from specgen.errors import SpecgenError
+from specgen.training.plan import BatchPlan
 
 log = logging.getLogger("specgen.draft")
 
@@ -62,18 +62,6 @@ class OnlineBatches:
     def capture_batch(self, samples: list[TokenizedSample]) -> DraftBatch:
         captured = capture_samples(self.capture, [sample.input_ids for sample in samples], self.pad_id)
         return collate_captured(samples, captured, self.pad_id, packed=self.plan.packing)
-
-
-def capture_samples(capture: TargetCapture, input_ids: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
-    """One batch through the target, right-padded, one forward: `aux` [tokens, aux width] and `last` [tokens, hidden]
-    of its samples end to end, and their `lengths`, where the capture put them. The rows are copied out of the
-    capture's (inference-mode) tensors into ordinary ones; online training and disaggregated capture servers both
-    capture this way."""
-    lengths = torch.tensor([len(ids) for ids in input_ids])
-    out = capture(pad_right(input_ids, pad_id), lengths)
-    rows = range(len(input_ids))
-    return {"aux": torch.cat([out.aux_hidden_states[b, :lengths[b]] for b in rows]),
-            "last": torch.cat([out.last_hidden_state[b, :lengths[b]] for b in rows]), "lengths": lengths}
 
 
 def collate_captured(samples: list[TokenizedSample], captured: dict[str, torch.Tensor], pad_id: int,

@@ -1,6 +1,6 @@
-"""EAGLE-3 and EAGLE-3.1 as draft methods (`specgen.draft.methods`): the reference implementation of the interface.
+"""EAGLE-3 and EAGLE-3.1 as draft methods (`specgen.methods`): the reference implementation of the interface.
 
-Both train the same model (`specgen.draft.model.Eagle3Draft`) with the TTT unroll (`specgen.draft.ttt`) and draft a
+Both train the same model (`specgen.methods.eagle3.model.Eagle3Draft`) with the TTT unroll (`specgen.methods.eagle3.ttt`) and draft a
 chain at decoding (`ChainProposer`, what vLLM's EAGLE proposer does). eagle3.1 differs only in its default flags:
 fc_norm and norm_output on (the EAGLE-3.1 paper's per-aux-layer norm and the post-norm state fed forward); the
 `draft.fc_norm`, `draft.norm_before_fc` and `draft.norm_output` keys override the method's default when set.
@@ -14,8 +14,10 @@ import transformers
 from torch import nn
 
 from specgen.draft import exports
-from specgen.draft.model import DraftKV, Eagle3Draft, draft_config
-from specgen.draft.ttt import TTTObjective, step_metrics
+from specgen.draft.loss import step_metrics
+from specgen.methods.eagle3.checkpoint import load_eagle_family, set_embedding
+from specgen.methods.eagle3.model import DraftKV, Eagle3Draft, draft_config
+from specgen.methods.eagle3.ttt import TTTObjective
 
 FLAGS = ("fc_norm", "norm_before_fc", "norm_output")
 
@@ -26,45 +28,40 @@ class EagleMethod:
     flag_defaults: dict = field(default_factory=dict)  # EAGLE-3.1 flags this method turns on when left null
     model_class: type = Eagle3Draft
 
-    def flags(self, draft_cfg: dict) -> dict:
+    def flags(self, draft) -> dict:
         """EAGLE-3.1 flags: draft.<flag> when set, else the method's default (False for eagle3)."""
-        return {flag: bool(draft_cfg.get(flag) if draft_cfg.get(flag) is not None
+        return {flag: bool(getattr(draft, flag) if getattr(draft, flag) is not None
                            else self.flag_defaults.get(flag, False)) for flag in FLAGS}
 
     def build_config(self, target_config, *, aux_layers: list[int], draft_vocab_size: int,
-                     draft_cfg: dict) -> transformers.LlamaConfig:
+                     draft) -> transformers.LlamaConfig:
         return draft_config(target_config, aux_layers=aux_layers, draft_vocab_size=draft_vocab_size,
-                            overrides=draft_cfg.get("overrides"),
-                            norm_before_residual=bool(draft_cfg.get("norm_before_residual", False)),
-                            **self.flags(draft_cfg))
+                            overrides=draft.overrides, norm_before_residual=draft.norm_before_residual,
+                            **self.flags(draft))
 
     def new_draft(self, target_config, *, aux_layers: list[int], mapping, embedding: torch.Tensor,
-                  lm_head: torch.Tensor, draft_cfg: dict) -> Eagle3Draft:
+                  lm_head: torch.Tensor, draft) -> Eagle3Draft:
         """Llama initialisation, the vocabulary mapping, the target's embedding; LM head per draft.init_lm_head."""
-        from specgen.draft.checkpoint import set_embedding
-
         config = self.build_config(target_config, aux_layers=aux_layers, draft_vocab_size=mapping.draft_vocab_size,
-                                   draft_cfg=draft_cfg)
-        draft = self.model_class(config)
-        draft.d2t.copy_(mapping.d2t)
-        draft.t2d.copy_(mapping.t2d)
-        set_embedding(draft, embedding)
-        if draft_cfg.get("init_lm_head", "target") == "target":
-            draft.init_lm_head_from_target(lm_head)
-        return draft
+                                   draft=draft)
+        model = self.model_class(config)
+        model.d2t.copy_(mapping.d2t)
+        model.t2d.copy_(mapping.t2d)
+        set_embedding(model, embedding)
+        if draft.init_lm_head == "target":
+            model.init_lm_head_from_target(lm_head)
+        return model
 
     def load(self, folder: Path, *, embedding: torch.Tensor | None, target_config, foreign_ids: str) -> Eagle3Draft:
-        from specgen.draft.checkpoint import load_eagle_family
-
         return load_eagle_family(folder, self.model_class, embedding=embedding, target_config=target_config,
                                  foreign_ids=foreign_ids)
 
-    def objective(self, draft: Eagle3Draft, *, train_cfg: dict, mask_shift: int) -> nn.Module:
-        return TTTObjective(draft, ttt_length=train_cfg["ttt_length"], decay=train_cfg["ttt_decay"],
-                            mask_shift=mask_shift, drop_out_of_vocab=train_cfg["out_of_vocab"] == "drop")
+    def objective(self, model: Eagle3Draft, *, train, draft, seed: int, mask_shift: int) -> nn.Module:
+        return TTTObjective(model, ttt_length=train.ttt_length, decay=train.ttt_decay, mask_shift=mask_shift,
+                            drop_out_of_vocab=train.out_of_vocab == "drop")
 
-    def metrics(self, stats: torch.Tensor, train_cfg: dict) -> dict[str, float]:
-        return step_metrics(stats, train_cfg["ttt_decay"])
+    def metrics(self, stats: torch.Tensor, *, train, draft) -> dict[str, float]:
+        return step_metrics(stats, train.ttt_decay)
 
     def export(self, config, tensors: dict[str, torch.Tensor], fmt: str, *, info: dict | None = None,
                speculative_tokens: int = 3, verifier: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -77,7 +74,7 @@ class EagleMethod:
 
 class ChainProposer:
     """vLLM's EAGLE drafting: base entries for the verified positions, then a chain of K steps from the last one,
-    step j reading the draft's own step j-1 output and token (`specgen.draft.model`); the chain is dropped after."""
+    step j reading the draft's own step j-1 output and token (`specgen.methods.eagle3.model`); the chain is dropped after."""
 
     def __init__(self, draft: Eagle3Draft):
         self.draft = draft

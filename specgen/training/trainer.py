@@ -1,9 +1,9 @@
 """The training loop shared by offline and online training: batches in, the method's loss (TTT for EAGLE-3; see
-`specgen.draft.methods`), optimizer steps, metrics, saves.
+`specgen.methods`), optimizer steps, metrics, saves.
 
 One optimizer step = `grad_accum` micro-steps, each one batch of this process. The loop's position (optimizer
 step, epoch, batches of the epoch already trained) is saved with every checkpoint; batch plans are deterministic
-(`specgen.draft.batches`), so a resumed run continues with exactly the batches the interrupted run would have used.
+(`specgen.training.plan`), so a resumed run continues with exactly the batches the interrupted run would have used.
 """
 
 import json
@@ -19,12 +19,13 @@ from typing import Protocol
 import torch
 from tqdm.auto import tqdm
 
+from specgen.draft.batch import DraftBatch, batch_target
 from specgen.draft.checkpoint import TRAINING_STATE, Checkpoints
-from specgen.draft.strategy import Strategy
+from specgen.draft.loss import step_metrics
 from specgen.draft.target_head import TargetHead
-from specgen.draft.ttt import DraftBatch, batch_target, step_metrics
 from specgen.errors import SpecgenError
 from specgen.store.commit import write_json_atomic, write_text_atomic
+from specgen.training.strategy import Strategy
 
 log = logging.getLogger("specgen.train")
 
@@ -48,7 +49,7 @@ class LoopSettings:
     log_every: int
     save_every: int | None  # None: save at the end only
     autocast_dtype: torch.dtype | None  # bf16 mixed precision on GPU, None for full precision
-    mask_shift: int = 2  # step j at index i is scored where loss_mask[i + mask_shift + j] (specgen.draft.ttt)
+    mask_shift: int = 2  # step j at index i is scored where loss_mask[i + mask_shift + j] (specgen.methods.eagle3.ttt)
     eval_every: int = 0  # optimizer steps between probes (which also run at the last step); 0: the last step only
     keep_checkpoints: int = 2  # complete checkpoints kept in out_dir/checkpoints (the newest)
     metrics: Callable[[torch.Tensor], dict] | None = None  # the method's metrics of summed stats; None: TTT's
@@ -100,7 +101,7 @@ class DraftTrainer:
     """Runs the loop. `save_draft(state, folder)` writes the draft (main process only), `strategy.save` the optimizer
     (into a step-numbered checkpoint under out_dir/checkpoints, committed atomically: `Checkpoints`);
     `probe()` (main process only, every `settings.eval_every` steps and at the last) returns metrics of the live
-    draft, such as `specgen.draft.probe.AcceptanceProbe`'s or `HeldoutScore`'s, merged into that step's metrics
+    draft, such as `specgen.training.probe.AcceptanceProbe`'s or `HeldoutScore`'s, merged into that step's metrics
     line."""
 
     def __init__(self, *, strategy: Strategy, head: TargetHead, source: BatchSource, settings: LoopSettings,
@@ -174,7 +175,7 @@ class DraftTrainer:
 
     def train_batch(self, batch: DraftBatch, boundary: bool = True) -> torch.Tensor:
         """One micro-step: target distribution, TTT forward and backward; an optimizer update at a `boundary`
-        (the end of a gradient accumulation). Returns the step statistics (see `specgen.draft.ttt`)."""
+        (the end of a gradient accumulation). Returns the step statistics (see `specgen.methods.eagle3.ttt`)."""
         loss, stats = forward_batch(self.strategy.forward, self.head, batch, device=self.strategy.device,
                                     mask_shift=self.settings.mask_shift,
                                     autocast_dtype=self.settings.autocast_dtype, sync=boundary)
@@ -255,7 +256,7 @@ def forward_batch(forward: Callable, head: TargetHead, batch: DraftBatch, *, dev
     """One batch through a method's objective: moved to `device`, the target distributions its scored positions
     need, then `forward(input_ids, loss_mask, aux_hidden_states, target_probs, target_argmax, position_ids,
     document_ids, **kwargs)` under autocast when `autocast_dtype` is set -> (loss, stats). The training step and
-    `specgen.draft.probe.HeldoutScore` share it, so held-out samples are scored exactly as a batch is trained."""
+    `specgen.training.probe.HeldoutScore` share it, so held-out samples are scored exactly as a batch is trained."""
     batch = batch.to(device)
     target = batch_target(head, batch, mask_shift)
     autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()

@@ -1,27 +1,30 @@
-"""Draft methods: one interface in the trainer, the evaluator and the exporter; one module per method.
+"""Draft methods: one interface in the trainer, the evaluator and the exporter; one package per method.
 
-`draft.method` (config) and config.json's `specgen.method` (checkpoint) name the method:
+`draft.method` (config) and config.json's `specgen.method` (checkpoint) name the method; each is a package:
 
-    eagle3     specgen.draft.eagle    EAGLE-3: one Llama layer over the fused aux states, TTT-unrolled chain
-    eagle3.1   specgen.draft.eagle    EAGLE-3 with fc_norm (an RMSNorm per aux layer before fc) and the post-norm
-                                      output fed to the next step (norm_output), vLLM / speculators flags
-    p-eagle    specgen.draft.peagle   parallel drafting: the EAGLE-3 layer proposes all K tokens in one forward
-                                      (mask token + learned mask_hidden in the K-1 slots after the bonus token)
-    dflash     specgen.draft.dflash   block diffusion: Qwen3 layers over [target context ; bonus token + K masks]
-                                      propose all K tokens in one forward (vLLM qwen3_dflash)
+    eagle3     specgen.methods.eagle3   EAGLE-3: one Llama layer over the fused aux states, TTT-unrolled chain
+    eagle3.1   specgen.methods.eagle3   EAGLE-3 with fc_norm (an RMSNorm per aux layer before fc) and the post-norm
+                                        output fed to the next step (norm_output), vLLM / speculators flags
+    p-eagle    specgen.methods.peagle   parallel drafting: the EAGLE-3 layer proposes all K tokens in one forward
+                                        (mask token + learned mask_hidden in the K-1 slots after the bonus token)
+    dflash     specgen.methods.dflash   block diffusion: Qwen3 layers over [target context ; bonus token + K masks]
+                                        propose all K tokens in one forward (vLLM qwen3_dflash)
 
-A method module exposes `METHODS: dict[str, DraftMethod]`; registering a new method is one line in `MODULES`.
+What every method shares (vocabulary, aux layers, batches, loss-mask shift, target head, checkpoint files, export
+layouts, speculative decoding) is in `specgen.draft`; training them is `specgen.training`.
+
+A method package exposes `METHODS: dict[str, DraftMethod]`; registering a new method is one line in `MODULES`.
 The trainer, `specgen.evaluate`, `specgen.export` and `load_draft` only call what `DraftMethod` lists, so a new
-method (DSpark, MTP fine-tuning) is a new module, not a fork of the trainer. Every draft model a method builds
+method (DSpark, MTP fine-tuning) is a new package, not a fork of the trainer. Every draft model a method builds
 carries `method_name` (the name saved into its checkpoint).
 
 What the stages read off a draft model besides the methods (so a new model class provides them too):
 `method_name`; `config` with `vocab_size`, `draft_vocab_size`, `target_hidden_size`, the aux layers as
-`specgen.draft.model.aux_layers_of(config)` reads them (`eagle_config.eagle_aux_hidden_state_layer_ids`, vLLM's
+`specgen.draft.aux.aux_layers_of(config)` reads them (`eagle_config.eagle_aux_hidden_state_layer_ids`, vLLM's
 ids) and, on loaded drafts, `config.specgen` (the checkpoint's "specgen" section); buffers `d2t` / `t2d` (the
 vocabulary mapping the target head is restricted to); `lm_head` (draft.freeze_lm_head); `trainable_parameters()`;
 and `state_dict()` names that `export` understands. The trainer computes the target distribution at the positions
-`specgen.draft.ttt.target_positions_needed` marks and hands it to the objective as (target_probs, target_argmax).
+`specgen.draft.loss.target_positions_needed` marks and hands it to the objective as (target_probs, target_argmax).
 """
 
 import importlib
@@ -34,8 +37,8 @@ from torch import nn
 
 from specgen.errors import SpecgenError
 
-MODULES = {"eagle3": "specgen.draft.eagle", "eagle3.1": "specgen.draft.eagle", "p-eagle": "specgen.draft.peagle",
-           "dflash": "specgen.draft.dflash"}
+MODULES = {"eagle3": "specgen.methods.eagle3", "eagle3.1": "specgen.methods.eagle3", "p-eagle": "specgen.methods.peagle",
+           "dflash": "specgen.methods.dflash"}
 DEFAULT = "eagle3"
 
 
@@ -50,26 +53,27 @@ class Proposer(Protocol):
 
 
 class DraftMethod(Protocol):
-    """What a method provides (see `specgen.draft.eagle.EagleMethod` for the reference implementation)."""
+    """What a method provides (see `specgen.methods.eagle3.method.EagleMethod` for the reference implementation)."""
 
     name: str
 
     def new_draft(self, target_config: transformers.PretrainedConfig, *, aux_layers: list[int], mapping,
-                  embedding: torch.Tensor, lm_head: torch.Tensor, draft_cfg: dict) -> nn.Module:
+                  embedding: torch.Tensor, lm_head: torch.Tensor, draft) -> nn.Module:
         """A fresh draft (weights initialised) for the target, its aux layers and vocabulary mapping
-        (`specgen.draft.vocab.VocabMapping`); `draft_cfg` is the `draft` config section as a dict."""
+        (`specgen.draft.vocab.VocabMapping`); `draft` is the `draft` section's typed settings
+        (`specgen.schema.settings`), whose values are the configured ones: a method has no defaults of its own."""
 
     def load(self, folder: Path, *, embedding: torch.Tensor | None, target_config, foreign_ids: str) -> nn.Module:
         """The draft stored in `folder` (any layout the method reads)."""
 
-    def objective(self, draft: nn.Module, *, train_cfg: dict, mask_shift: int) -> nn.Module:
+    def objective(self, model: nn.Module, *, train, draft, seed: int, mask_shift: int) -> nn.Module:
         """The training step as one module: forward(input_ids, loss_mask, aux_hidden_states, target_probs,
         target_argmax, position_ids, document_ids) -> (loss, stats); `stats` is a float64 tensor of sums (added
-        over micro-steps and processes before `metrics` reads it). `train_cfg` is the train section plus `seed`
-        (runtime.seed) and `draft` (the draft section). An objective whose loss needs other target positions
-        than train.loss_mask's has a `mask_shift` attribute, which the trainer then uses (DFlash: always 2)."""
+        over micro-steps and processes before `metrics` reads it). `train` and `draft` are the sections' typed
+        settings, `seed` runtime.seed. An objective whose loss needs other target positions than
+        train.loss_mask's has a `mask_shift` attribute, which the trainer then uses (DFlash: always 2)."""
 
-    def metrics(self, stats: torch.Tensor, train_cfg: dict) -> dict[str, float]:
+    def metrics(self, stats: torch.Tensor, *, train, draft) -> dict[str, float]:
         """metrics.jsonl fields from summed stats: at least loss, acc_0, scored, trainable_positions."""
 
     def export(self, config, tensors: dict[str, torch.Tensor], fmt: str, *, info: dict | None,

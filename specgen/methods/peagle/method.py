@@ -1,27 +1,5 @@
-"""P-EAGLE (parallel drafting): the EAGLE-3 layer trained to propose all K draft tokens in one forward.
-
-What vLLM 0.32 serves (`speculative_config.parallel_drafting=True`, v1/spec_decode/llm_base_proposer.py and
-utils.py `copy_and_expand_eagle_inputs_kernel`), after the target verified everything up to position p:
-
-    slot 0      position p       token x[p+1] (the target's bonus token)   hidden fc(h[p])            -> draft 0
-    slot d>=1   position p + d   token mask_token_id (config.json)         fc(mask_hidden) (learned)  -> draft d
-
-in one causal forward over the verified positions and the K-1 mask slots (`combine_hidden_states(mask_hidden)`,
-so fc_norm / input_norm apply to mask_hidden too); draft d is the argmax at slot d. Slot d attends to the base
-entries 0..p and the slots 1..d, so it is a chain step at index p whose input does not depend on the previous
-draft: specgen's `DraftKV` chain computes exactly that (`PEagleProposer`), and training unrolls it like TTT.
-
-Training (`peagle_forward`), on the same batches as EAGLE-3 (speculators 0.9 `models/peagle`, the reference):
-depth 0 at index a is EAGLE-3's step 0 (token x[a+1], the target's h[a]); depth d >= 1 at index a reads the mask
-token and fc(mask_hidden) at position a + d, attends to base 0..a and depths 1..d at a, and predicts x[a+d+2]
-against the target's distribution at a+d+1, scored where the loss mask says (`train.loss_mask`, as TTT). The loss
-is speculators': one mean over every scored (index, depth) element (cross-entropy to the target restricted to
-the draft vocabulary, i.e. its KL plus a constant). `train.cod_ratio` (null: every index at every depth) keeps
-a random subset per depth as speculators' COD sampling does (`cod_selection`: depth d keeps a share
-max(ratio^d, ratio_min) of the indices kept at depth d-1, nested); specgen still computes every element, so COD
-only subsamples the loss here, it saves no compute. The mask token's embedding is the target's, frozen (speculators
-trains it; vLLM shares the target's embedding with the draft, so a trained row would not be served).
-"""
+"""P-EAGLE's model (the EAGLE-3 layer with a learned mask hidden state), objective, proposer and method (see
+`specgen.methods.peagle`)."""
 
 from dataclasses import dataclass
 
@@ -29,11 +7,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specgen.draft import exports
-from specgen.draft.eagle import ChainProposer, EagleMethod
-from specgen.draft.model import DraftKV, Eagle3Draft, num_aux_layers
+from specgen.draft.aux import num_aux_layers
+from specgen.draft.loss import (
+    TTTOutput,
+    predicted_token_mask,
+    same_document,
+    shift_left,
+    step_metrics,
+)
 from specgen.draft.target_head import TargetDistribution
-from specgen.draft.ttt import TTTOutput, predicted_token_mask, same_document, shift_left, step_metrics
+from specgen.draft.vocab import default_mask_token_id
+from specgen.errors import SpecgenError
+from specgen.methods.eagle3.method import ChainProposer, EagleMethod
+from specgen.methods.eagle3.model import DraftKV, Eagle3Draft
 
 
 class PEagleDraft(Eagle3Draft):
@@ -93,7 +79,7 @@ def peagle_forward(draft: PEagleDraft, input_ids: torch.Tensor, loss_mask: torch
                    selection: list[torch.Tensor] | None = None) -> TTTOutput:
     """Unroll the parallel slots for `depths` depths over a batch (as `ttt_forward`; module docstring) and score
     them. `selection[d]` [B, T] bool keeps depth d's elements at those indices in the loss (COD); None: all.
-    stats rows are TTT's (`specgen.draft.ttt`): acc_d and the chain of leading right depths are those vLLM's
+    stats rows are TTT's (`specgen.methods.eagle3.ttt`): acc_d and the chain of leading right depths are those vLLM's
     parallel drafting would accept."""
     seq_len = input_ids.shape[1]
     if position_ids is None:
@@ -138,7 +124,7 @@ class PEagleObjective(nn.Module):
     """The draft and its P-EAGLE loss as one module (the trainer's objective interface, as `TTTObjective`)."""
 
     def __init__(self, draft: PEagleDraft, *, depths: int, mask_shift: int, drop_out_of_vocab: bool,
-                 cod_ratio: float | None = None, cod_ratio_min: float = 0.2, seed: int = 0):
+                 cod_ratio: float | None, cod_ratio_min: float, seed: int):
         super().__init__()
         self.draft = draft
         self.depths, self.mask_shift, self.drop_out_of_vocab = depths, mask_shift, drop_out_of_vocab
@@ -175,41 +161,27 @@ class PEagleProposer(ChainProposer):
         return self.draft.mask_inputs(torch.zeros(1, 1, dtype=torch.long, device=self.device))
 
 
-def default_mask_token_id(target_config) -> int:
-    """draft.mask_token_id when null: the target's pad token, else its (first) eos token, else 0."""
-    text = target_config.get_text_config()
-    for value in (getattr(text, "pad_token_id", None), getattr(text, "eos_token_id", None)):
-        if isinstance(value, list):
-            value = value[0] if value else None
-        if value is not None:
-            return int(value)
-    return 0
-
-
 @dataclass(frozen=True)
 class PEagleMethod(EagleMethod):
     model_class: type = PEagleDraft
 
-    def build_config(self, target_config, *, aux_layers, draft_vocab_size, draft_cfg):
+    def build_config(self, target_config, *, aux_layers, draft_vocab_size, draft):
         config = super().build_config(target_config, aux_layers=aux_layers, draft_vocab_size=draft_vocab_size,
-                                      draft_cfg=draft_cfg)
-        mask_token_id = draft_cfg.get("mask_token_id")
+                                      draft=draft)
+        mask_token_id = draft.mask_token_id
         config.mask_token_id = int(default_mask_token_id(target_config) if mask_token_id is None else mask_token_id)
         if not 0 <= config.mask_token_id < config.vocab_size:
-            from specgen.errors import SpecgenError
-
             raise SpecgenError(f"draft.mask_token_id={config.mask_token_id} is not a token of the target's "
                                f"vocabulary (0..{config.vocab_size - 1})")
         config.parallel_drafting = True
         return config
 
-    def objective(self, draft, *, train_cfg: dict, mask_shift: int) -> nn.Module:
-        return PEagleObjective(draft, depths=train_cfg["ttt_length"], mask_shift=mask_shift,
-                               drop_out_of_vocab=train_cfg["out_of_vocab"] == "drop",
-                               cod_ratio=train_cfg.get("cod_ratio"), cod_ratio_min=train_cfg.get("cod_ratio_min", 0.2),
-                               seed=int(train_cfg.get("seed", 0)))
+    def objective(self, model, *, train, draft, seed: int, mask_shift: int) -> nn.Module:
+        return PEagleObjective(model, depths=train.ttt_length, mask_shift=mask_shift,
+                               drop_out_of_vocab=train.out_of_vocab == "drop", cod_ratio=train.cod_ratio,
+                               cod_ratio_min=train.cod_ratio_min, seed=seed)
 
-    def metrics(self, stats: torch.Tensor, train_cfg: dict) -> dict[str, float]:
+    def metrics(self, stats: torch.Tensor, *, train, draft) -> dict[str, float]:
         """TTT's metrics (acc_d, cacc_d, accept_len_sim: what parallel drafting would accept), and the loss
         actually optimised: one mean over every scored element."""
         metrics = step_metrics(stats, 1.0)

@@ -1,0 +1,66 @@
+"""The closing summary of a training run: checkpoint, data, draft, vocabulary coverage, figures of the last step."""
+
+from pathlib import Path
+
+from torch import nn
+
+from specgen.draft.vocab import VocabMapping
+from specgen.progress import format_table
+from specgen.stream import StreamBatches
+from specgen.training.data import TrainingData
+from specgen.training.trainer import METRICS, TrainerState
+
+
+def vocab_coverage(draft: nn.Module, data: TrainingData) -> str:
+    """How much of the data's trained tokens and of the target's top tokens the draft vocabulary covers."""
+    in_vocab = set(VocabMapping.from_d2t(draft.d2t, draft.config.vocab_size).draft_to_target.tolist())
+    parts = []
+    for name, counts in (("of the trained tokens", data.token_counts),
+                         ("of the target's top tokens at trainable positions", data.target_top_counts)):
+        if counts:
+            share = sum(n for token, n in counts.items() if token in in_vocab) / max(1, sum(counts.values()))
+            parts.append(f"{100 * share:.1f}% {name}")
+    return "covers " + ", ".join(parts) if parts else "coverage unknown"
+
+
+def vocab_clipped(asked: int | None, draft: nn.Module) -> str:
+    """'; draft.vocab_size=N asked, only M distinct ...' when the vocabulary came out smaller than asked."""
+    got = draft.config.draft_vocab_size
+    if asked is None or got >= asked:
+        return ""
+    return f"; draft.vocab_size={asked:,} asked, only {got:,} distinct tokens seen, so {got:,} used"
+
+
+def print_summary(out_dir: Path, data: TrainingData, draft: nn.Module, state: TrainerState, metrics: dict,
+                   seconds: float, optimizer: str, vocab_source: str = "data", vocab_asked: int | None = None) -> None:
+    accuracies = " ".join(f"{metrics[k]:.2f}" for k in sorted((k for k in metrics if k.startswith("acc_")),
+                                                              key=lambda k: int(k.split("_")[1])))
+    print(format_table([
+        ("checkpoint", f"{out_dir} (config.json + model.safetensors, servable as {draft.config.architectures[0]})"),
+        ("data", data.description),
+        *([("target dtype", data.target_dtype)] if data.target_dtype else []),
+        ("draft", f"{sum(p.numel() for p in draft.trainable_parameters()) / 1e6:.2f}M trainable parameters, "
+                  f"vocabulary {draft.config.draft_vocab_size} of {draft.config.vocab_size}"),
+        ("vocabulary", f"from {vocab_source}: {vocab_coverage(draft, data)}{vocab_clipped(vocab_asked, draft)}"),
+        ("optimizer", optimizer),
+        ("steps", f"{state.step} ({state.tokens_seen:,} tokens, {seconds:.1f}s in this run)"),
+        ("last loss", f"{metrics.get('loss', float('nan')):.4f}"),
+        ("accuracy per TTT step", accuracies or "n/a"),
+        ("scored positions", f"{100 * metrics.get('scored', 0):.1f}% of the trainable positions (last logging "
+                             "window; the rest have the target's top token outside the draft vocabulary)"),
+        ("simulated acceptance", f"{metrics.get('accept_len_sim', float('nan')):.2f} (chain of "
+                                 f"{sum(k.startswith('acc_') for k in metrics)} drafts, greedy, last logging window)"),
+        *([("held-out samples", f"loss {metrics['heldout_loss']:.4f}, accuracy per TTT step " + " ".join(
+            f"{metrics[k]:.2f}" for k in sorted((k for k in metrics if k.startswith("heldout_acc_")),
+                                                key=lambda k: int(k.rsplit("_", 1)[1]))) +
+            (f", simulated acceptance {metrics['heldout_accept_len_sim']:.2f}"
+             if "heldout_accept_len_sim" in metrics else "") + " (train.heldout_samples, last step; the lines "
+            "above are on training samples)")] if "heldout_loss" in metrics else []),
+        *([("acceptance (decoded)", f"{metrics['accept_len']:.2f} = 1 + accepted / rounds over "
+                                    f"{metrics['accept_rounds']} rounds of real speculative decoding on the "
+                                    "train.eval_prompts, last step; lossless in "
+                                    f"{metrics['accept_lossless']:.0%} of them")] if "accept_len" in metrics else []),
+        ("throughput", f"{metrics.get('tokens_per_s', 0):,.0f} tokens/s (last logging window)"),
+        *([("stream", f"this process: {data.source.report()}")] if isinstance(data.source, StreamBatches) else []),
+        ("metrics", str(out_dir / METRICS)),
+    ]))

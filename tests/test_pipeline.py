@@ -65,7 +65,10 @@ def test_background_writer_writes_what_shard_writer_writes(tmp_path, writers):
             writer.write(rows(1, length=5, first=10 * unit + 2), None)
             writer.commit({"samples": 3}, [], 4)
     assert sorted(finished_shards(tmp_path)) == [0, 1, 2]
-    assert committed == [4, 4, 4] and tokens == [6, 5] * 3
+    # commits come in unit order; batches are reported as each writer thread writes them (units interleave)
+    assert committed == [4, 4, 4] and sorted(tokens) == sorted([6, 5] * 3)
+    if writers == 1:
+        assert tokens == [6, 5] * 3
     dataset = open_shards(tmp_path)
     assert [dataset[i]["sample_id"] for i in range(len(dataset))] == ["s0", "s1", "s2", "s10", "s11", "s12",
                                                                        "s20", "s21", "s22"]

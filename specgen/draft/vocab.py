@@ -129,6 +129,25 @@ class ReducedVocabHead:
         with torch.no_grad():
             self.lm_head.weight.copy_(target_lm_head.to(self.lm_head.weight)[rows])
 
+    def set_embedding(self, embedding: torch.Tensor) -> None:
+        """Copy the target's input embedding into the draft (its frozen token embedding)."""
+        expected = tuple(self.embed_tokens.weight.shape)
+        if tuple(embedding.shape) != expected:
+            raise SpecgenError(f"the target's embedding is {tuple(embedding.shape)} but the draft expects {expected}: "
+                               "the draft was trained for another target")
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(embedding)
+
+    def start_from_target(self, mapping: "VocabMapping", embedding: torch.Tensor, lm_head: torch.Tensor, *,
+                          init_lm_head: str) -> None:
+        """A fresh draft's vocabulary mapping and the target's embedding; its LM head the target's rows of the draft
+        vocabulary when `init_lm_head` (draft.init_lm_head) is "target", else as initialised."""
+        self.d2t.copy_(mapping.d2t)
+        self.t2d.copy_(mapping.t2d)
+        self.set_embedding(embedding)
+        if init_lm_head == "target":
+            self.init_lm_head_from_target(lm_head)
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 

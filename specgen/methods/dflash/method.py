@@ -12,7 +12,7 @@ from specgen.draft.vocab import default_mask_token_id
 from specgen.errors import SpecgenError
 from specgen.methods.dflash.model import METHOD, DFlashDraft, dflash_config
 from specgen.methods.dflash.objective import DFlashObjective
-from specgen.methods.dflash.serving import config_dict, load_dflash, set_dflash_embedding
+from specgen.methods.dflash.serving import config_dict, load_dflash
 
 
 class DFlashProposer:
@@ -63,11 +63,7 @@ class DFlashMethod:
                                                  else mask_token_id),
                                causal=draft.dflash.causal, overrides=draft.overrides)
         model = DFlashDraft(config)
-        model.d2t.copy_(mapping.d2t)
-        model.t2d.copy_(mapping.t2d)
-        set_dflash_embedding(model, embedding)
-        if draft.init_lm_head == "target":
-            model.init_lm_head_from_target(lm_head)
+        model.start_from_target(mapping, embedding, lm_head, init_lm_head=draft.init_lm_head)
         return model
 
     def load(self, folder, *, embedding: torch.Tensor | None, target_config, foreign_ids: str) -> DFlashDraft:

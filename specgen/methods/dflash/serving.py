@@ -78,7 +78,7 @@ def load_dflash(path: str | Path, embedding: torch.Tensor | None = None) -> DFla
         raise SpecgenError(f"{folder / exports.WEIGHTS} does not match its DFlash config: missing {missing}, "
                            f"unexpected {unexpected}")
     if embedding is not None:
-        set_dflash_embedding(draft, embedding)
+        draft.set_embedding(embedding)
     return draft
 
 
@@ -86,11 +86,3 @@ def _t2d(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[torch.arange(len(d2t)) + d2t] = True
     return t2d
-
-
-def set_dflash_embedding(draft: DFlashDraft, embedding: torch.Tensor) -> None:
-    if tuple(embedding.shape) != tuple(draft.embed_tokens.weight.shape):
-        raise SpecgenError(f"the target's embedding is {tuple(embedding.shape)} but the DFlash draft expects "
-                           f"{tuple(draft.embed_tokens.weight.shape)}: the draft was trained for another target")
-    with torch.no_grad():
-        draft.embed_tokens.weight.copy_(embedding)

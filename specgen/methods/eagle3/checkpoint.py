@@ -31,15 +31,5 @@ def load_eagle_family(folder: Path, model_class: type, *, embedding: torch.Tenso
                            f"unexpected {unexpected}; the checkpoint is damaged or has a layout specgen does not "
                            "implement")
     if embedding is not None:
-        set_embedding(draft, embedding)
+        draft.set_embedding(embedding)
     return draft
-
-
-def set_embedding(draft: Eagle3Draft, embedding: torch.Tensor) -> None:
-    """Copy the target's input embedding into the draft (its frozen token embedding)."""
-    expected = tuple(draft.embed_tokens.weight.shape)
-    if tuple(embedding.shape) != expected:
-        raise SpecgenError(f"the target's embedding is {tuple(embedding.shape)} but the draft expects {expected}: "
-                           "the draft was trained for another target")
-    with torch.no_grad():
-        draft.embed_tokens.weight.copy_(embedding)

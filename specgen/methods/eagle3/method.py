@@ -15,7 +15,7 @@ from torch import nn
 
 from specgen.draft import exports
 from specgen.draft.loss import step_metrics
-from specgen.methods.eagle3.checkpoint import load_eagle_family, set_embedding
+from specgen.methods.eagle3.checkpoint import load_eagle_family
 from specgen.methods.eagle3.model import DraftKV, Eagle3Draft, draft_config
 from specgen.methods.eagle3.ttt import TTTObjective
 
@@ -45,11 +45,7 @@ class EagleMethod:
         config = self.build_config(target_config, aux_layers=aux_layers, draft_vocab_size=mapping.draft_vocab_size,
                                    draft=draft)
         model = self.model_class(config)
-        model.d2t.copy_(mapping.d2t)
-        model.t2d.copy_(mapping.t2d)
-        set_embedding(model, embedding)
-        if draft.init_lm_head == "target":
-            model.init_lm_head_from_target(lm_head)
+        model.start_from_target(mapping, embedding, lm_head, init_lm_head=draft.init_lm_head)
         return model
 
     def load(self, folder: Path, *, embedding: torch.Tensor | None, target_config, foreign_ids: str) -> Eagle3Draft:

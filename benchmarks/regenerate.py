@@ -1,16 +1,26 @@
-"""Regeneration throughput: batched left-padded `generate` against one request at a time, side by side.
+"""Regeneration throughput of the transformers engine: one request at a time, batched with the dynamic KV cache, and
+batched with the static one (`regenerate.kv_cache=static`), side by side.
 
-Both modes run specgen's regeneration path (chat template, turn-by-turn on-policy context, decode) on the same
-model and conversations, in one process, differing only in `regenerate.batch_size`: one conversation at a time,
-or up to --batch-size conversations decoding together. Greedy decoding, so both must write the same text (the
-table says how many turns agree exactly; low-precision kernels may break rare near-ties differently in a batch).
-A random model rarely ends its turns early, so both modes generate the same number of tokens.
+Every mode runs specgen's regeneration path (chat template, turn-by-turn on-policy context, decode) on the same
+model and conversations, in one process, differing only in `regenerate.batch_size` and `regenerate.kv_cache`.
+Greedy decoding, so every mode must write the same text (the table says how many turns agree with the first mode;
+low-precision kernels may break rare near-ties differently in a batch). A random model rarely ends its turns early,
+so the modes generate the same number of tokens.
 
-The default model is shaped like a small real LLM (hidden 512, 8 layers, the real Llama-3.1 vocabulary and
-tokenizer, needs ../shared); --model takes any local Hugging Face model folder instead.
+Each mode first runs once untimed on the first --batch-size conversations with the same settings (kernels,
+allocator; with the static cache on CUDA, transformers compiles the decoding step then: "warm-up s" in the table),
+then is timed on all of them.
 
-  python benchmarks/regenerate.py [--rows 32] [--max-new-tokens 32] [--batch-size 32] [--threads 2] [--model DIR]
-                                  [--dtype float32]
+Models (random weights, seed 0, the real Llama-3.1 vocabulary and tokenizer from ../shared):
+  --shape small      hidden 512, 8 layers (a small real LLM's shape; the default)
+  --shape smollm2    SmolLM2-135M-Instruct's decoder (hidden 576, 30 layers, 9/3 heads), with Llama-3.1's vocabulary
+or --model DIR, any local Hugging Face model folder.
+
+  python benchmarks/regenerate.py [--rows 32] [--max-new-tokens 32] [--batch-size 32] [--threads 2]
+      [--shape small|smollm2 | --model DIR] [--dtype float32] [--device cpu|cuda] [--modes single dynamic static]
+On one GPU (about 2 minutes):
+  python benchmarks/regenerate.py --device cuda --dtype bfloat16 --shape smollm2 --rows 512 --batch-size 128 \\
+      --max-new-tokens 256 --modes dynamic static
 """
 
 import argparse
@@ -21,26 +31,35 @@ from pathlib import Path
 
 import torch
 
-from common import SHARED, build_llama
+from common import SHARED, SMALL, SMOLLM2_135M, build_llama
 
 DATA = SHARED / "datasets" / "sharegpt_fastchat_dummy.json"
+SHAPES = {"small": SMALL, "smollm2": SMOLLM2_135M}
+MODES = {"single": ("one at a time", "dynamic"), "dynamic": ("batched", "dynamic"),
+         "static": ("batched, static", "static")}
+MAX_PROMPT_TOKENS = 1024  # the longest prompt regenerated (a static cache holds this + max_new_tokens a row)
 
 
-def build_model(out_dir: Path) -> Path:
-    return build_llama(out_dir)  # float32: this CPU has no fast bf16 path
-
-
-def regenerate(model, tokenizer, records, *, batch_size: int, max_new_tokens: int) -> tuple[dict, float, list]:
-    """Regenerate `records` with the given batch size: (unit stats, seconds, output rows)."""
+def regenerate(model, tokenizer, records, *, batch_size: int, max_new_tokens: int, kv_cache: str):
+    """Regenerate `records`: (unit stats, seconds, output rows)."""
     from specgen.regen.engine import Generator, Sampling
     from specgen.regen.turns import ConversationRegenerator, TurnPolicy
 
     sampling = Sampling(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens)
-    generator = Generator(model, tokenizer, sampling, batch_size=batch_size, batch_tokens=1 << 30)
-    regenerator = ConversationRegenerator(tokenizer, generator, TurnPolicy(on_empty="keep"), max_prompt_tokens=4096)
+    generator = Generator(model, tokenizer, sampling, batch_size=batch_size, batch_tokens=1 << 30,
+                          kv_cache=kv_cache, max_length=MAX_PROMPT_TOKENS + max_new_tokens)
+    regenerator = ConversationRegenerator(tokenizer, generator, TurnPolicy(on_empty="keep"),
+                                          max_prompt_tokens=MAX_PROMPT_TOKENS)
+    synchronize(model.device)
     start = time.perf_counter()
     result = regenerator.regenerate(records)
+    synchronize(model.device)
     return result.stats, time.perf_counter() - start, result.rows
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def assistant_turns(rows: list[dict]) -> list[str]:
@@ -49,12 +68,15 @@ def assistant_turns(rows: list[dict]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=32, help="conversations (from the ShareGPT sample)")
+    parser.add_argument("--rows", type=int, default=32, help="conversations (the ShareGPT sample, repeated if needed)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--batch-size", type=int, default=32, help="conversations per batch in the batched mode")
+    parser.add_argument("--batch-size", type=int, default=32, help="conversations per batch in the batched modes")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--model", type=Path, default=None, help="a local HF model folder (default: built here)")
+    parser.add_argument("--shape", choices=SHAPES, default="small")
+    parser.add_argument("--model", type=Path, default=None, help="a local HF model folder (instead of --shape)")
     parser.add_argument("--dtype", default="float32", help="float32 (CPUs lack fast bf16 kernels) | bfloat16 | auto")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -64,29 +86,33 @@ def main() -> None:
     from specgen.data.sources import iter_records
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or build_model(Path(tmp) / "model")
-        model = load_target(model_dir, dtype=args.dtype, device="cuda" if torch.cuda.is_available() else "cpu")
+        model_dir = args.model or build_llama(Path(tmp) / "model", shape=SHAPES[args.shape])
+        model = load_target(model_dir, dtype=args.dtype, device=args.device)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    records = list(itertools.islice(iter_records(DATA), args.rows))
+    records = list(itertools.islice(itertools.cycle(iter_records(DATA)), args.rows))
 
-    regenerate(model, tokenizer, records[:2], batch_size=2, max_new_tokens=4)  # warm-up: kernels, allocator
-    modes = [("one at a time", 1), ("batched", args.batch_size)]
-    results = [(name, size, *regenerate(model, tokenizer, records, batch_size=size,
-                                        max_new_tokens=args.max_new_tokens)) for name, size in modes]
+    results = []
+    for mode in args.modes:
+        name, kv_cache = MODES[mode]
+        size = 1 if mode == "single" else args.batch_size
+        warm = regenerate(model, tokenizer, records[:args.batch_size], batch_size=size,
+                          max_new_tokens=args.max_new_tokens, kv_cache=kv_cache)[1]
+        stats, seconds, rows = regenerate(model, tokenizer, records, batch_size=size,
+                                          max_new_tokens=args.max_new_tokens, kv_cache=kv_cache)
+        results.append((name, size, warm, stats, seconds, assistant_turns(rows)))
 
-    print(f"model {model_dir if args.model else 'llama hidden 512, 8 layers, Llama-3.1 vocab'} "
-          f"({str(model.dtype).removeprefix('torch.')}, {model.device}, {args.threads} threads); {args.rows} "
-          f"conversations, greedy, max_new_tokens={args.max_new_tokens}")
-    header = f"{'mode':<14} {'batch':>5} {'turns':>6} {'new tokens':>10} {'seconds':>8} {'tokens/s':>9} {'speedup':>8}"
+    model_name = args.model or f"llama shape {args.shape}, Llama-3.1 vocab"
+    print(f"model {model_name} ({str(model.dtype).removeprefix('torch.')}, {model.device}, {args.threads} threads); "
+          f"{args.rows} conversations, greedy, max_new_tokens={args.max_new_tokens}")
+    header = (f"{'mode':<16} {'batch':>5} {'warm-up s':>9} {'turns':>6} {'new tokens':>10} {'seconds':>8} "
+              f"{'tokens/s':>9} {'vs first':>8} {'same turns':>10}")
     print(header + "\n" + "-" * len(header))
-    base = results[0][2]["new_tokens"] / results[0][3]
-    for name, size, stats, seconds, _ in results:
+    base = results[0][3]["new_tokens"] / results[0][4]
+    for name, size, warm, stats, seconds, turns in results:
         rate = stats["new_tokens"] / seconds
-        print(f"{name:<14} {size:>5} {stats['regenerated_turns']:>6} {stats['new_tokens']:>10,} {seconds:>8.1f} "
-              f"{rate:>9,.0f} {rate / base:>7.1f}x")
-    single, batched = (assistant_turns(result[4]) for result in results)
-    same = sum(a == b for a, b in zip(single, batched))
-    print(f"identical turns (batched vs one at a time): {same}/{len(single)}")
+        same = sum(a == b for a, b in zip(results[0][5], turns))
+        print(f"{name:<16} {size:>5} {warm:>9.1f} {stats['regenerated_turns']:>6} {stats['new_tokens']:>10,} "
+              f"{seconds:>8.1f} {rate:>9,.0f} {rate / base:>7.2f}x {same:>5}/{len(turns)}")
 
 
 if __name__ == "__main__":

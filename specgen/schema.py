@@ -206,6 +206,7 @@ KEYS: dict[str, Key] = {
     "regenerate.loop_repeats": _k("int", min=0),
     "regenerate.batch_size": _k("int", min=POSITIVE),
     "regenerate.batch_tokens": _k("int", min=POSITIVE),
+    "regenerate.kv_cache": _k("str", choices=("dynamic", "static")),
     # run: a recipe's stages in order, as one resumable command (specgen.run)
     "run.dir": _k("str"),
     "run.stages": _k("list", null=True, items="str"),

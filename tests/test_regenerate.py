@@ -469,22 +469,20 @@ def test_prompts_and_new_tokens_stay_within_the_model_positions(tmp_path, capsys
 
 
 def test_the_engine_context_never_exceeds_the_model_positions():
-    from types import SimpleNamespace
-
     from transformers import AutoConfig
 
     from specgen.regen.setup import context_limits
 
-    model = SimpleNamespace(config=AutoConfig.from_pretrained(TINY_TARGET))
+    config = AutoConfig.from_pretrained(TINY_TARGET)
     common = [f"model.path={TINY_TARGET}", "engine=vllm", "regenerate.max_new_tokens=48"]
-    assert context_limits(compose("regenerate", common), model)[:2] == (2000, 2048)  # not 2048 + 48
-    assert context_limits(compose("regenerate", [*common, "data.max_length=512"]), model) == (
+    assert context_limits(compose("regenerate", common), config)[:2] == (2000, 2048)  # not 2048 + 48
+    assert context_limits(compose("regenerate", [*common, "data.max_length=512"]), config) == (
         512, 560, "data.max_length=512")
-    assert context_limits(compose("regenerate", [*common, "engine.max_model_len=1024"]), model)[:2] == (976, 1024)
+    assert context_limits(compose("regenerate", [*common, "engine.max_model_len=1024"]), config)[:2] == (976, 1024)
     with pytest.raises(SpecgenError, match="^engine.max_model_len=4096 exceeds the 2048 positions"):
-        context_limits(compose("regenerate", [*common, "engine.max_model_len=4096"]), model)
+        context_limits(compose("regenerate", [*common, "engine.max_model_len=4096"]), config)
     with pytest.raises(SpecgenError, match="^regenerate.max_new_tokens=2048 leaves no room for a prompt"):
-        context_limits(compose("regenerate", [*common, "regenerate.max_new_tokens=2048"]), model)
+        context_limits(compose("regenerate", [*common, "regenerate.max_new_tokens=2048"]), config)
 
 
 def test_the_loop_rule_counts_repeats_of_an_ngram():
@@ -597,6 +595,44 @@ def test_progress_moves_per_row_chunk_and_per_decoding_step(chat_model, tmp_path
 
     assert rows == [2, 2, 1]
     assert sum(tokens) == result.stats["new_tokens"] and len(tokens) > result.stats["regenerated_turns"] / 2
+
+
+def test_a_static_kv_cache_writes_what_the_dynamic_one_writes(greedy_run, chat_model, tmp_path):
+    """regenerate.kv_cache=static decodes every batch in one shape (here 3 rows: the source's 5 good rows make a
+    batch of 3 and one of 2 plus a filler row, whose reply is dropped): greedy, the same text and counts as the
+    dynamic cache, progress counts the real rows only, and the manifest names the cache."""
+    source, dynamic_dir, dynamic = greedy_run
+    tokens = []
+    cfg = compose("regenerate", [f"model.path={chat_model}", f"data.path={source}", f"output.dir={tmp_path / 'out'}",
+                                 "runtime.progress=false", "runtime.device=cpu", "regenerate.temperature=0",
+                                 f"regenerate.max_new_tokens={MAX_NEW_TOKENS}", "output.shard_size=4",
+                                 "regenerate.batch_size=3", "regenerate.kv_cache=static"])
+    from specgen.data.sources import iter_records
+    from specgen.regen.setup import build_regenerator, load_model
+    from specgen.runtime import load_tokenizer
+
+    regenerator = build_regenerator(cfg, load_tokenizer(cfg.tokenizer.path), load_model(cfg, torch.device("cpu")))
+    assert regenerator.generator.static_rows == 3
+    result = regenerator.regenerate(iter_records(source), on_batch=tokens.append)
+    assert sum(tokens) == result.stats["new_tokens"] == dynamic["stats"]["new_tokens"]
+
+    static = run(cfg)
+    assert [row["messages"] for row in output_rows(tmp_path / "out")] == [
+        row["messages"] for row in output_rows(dynamic_dir)]
+    assert static["stats"] == dynamic["stats"]
+    assert "static KV cache" in static["generation"]["backend"]
+    assert "static" not in dynamic["generation"]["backend"]
+
+
+def test_a_static_kv_cache_that_cannot_hold_one_row_or_runs_in_vllm_is_refused(chat_model, tmp_path):
+    from specgen.regen.setup import load_model
+
+    common = [f"model.path={chat_model}", f"data.path={tmp_path / 'none.jsonl'}", "regenerate.kv_cache=static"]
+    with pytest.raises(SpecgenError, match="raise regenerate.batch_tokens to a multiple of 1030"):
+        load_model(compose("regenerate", [*common, "regenerate.batch_tokens=1000", "data.max_length=1024",
+                                          "regenerate.max_new_tokens=6"]), torch.device("cpu"))
+    with pytest.raises(SpecgenError, match="^regenerate.kv_cache=static is a setting of engine=hf"):
+        load_model(compose("regenerate", [*common, "engine=vllm"]), torch.device("cpu"))
 
 
 def test_synthesized_user_turns_continue_the_templates_user_header(chat_model, tmp_path):

@@ -5,6 +5,15 @@ of similar length and little compute goes to padding. Left padding puts every pr
 column, so all rows of a batch decode in lockstep from one shared KV cache; the attention mask hides the padding
 and `generate` derives position ids from it, so a padded row computes what it would compute alone.
 
+Two KV caches (`regenerate.kv_cache`):
+- `dynamic` (the default): the cache grows by one position a step; a batch holds what fits the token budget.
+- `static`: every batch has the same shape, `rows` x `max_length` (the longest prompt the run allows plus
+  max_new_tokens; a short last batch is filled with copies of its last prompt, whose completions are discarded),
+  preallocated once. One shape means that on CUDA transformers compiles the decoding step once (`torch.compile`,
+  CUDA graphs) instead of launching every kernel of every layer from Python at every step: the launch-bound cost
+  of a small target on a GPU. On the CPU nothing is compiled and the fixed shape only costs (attention over
+  max_length positions, the filler rows).
+
 The generation settings are exactly the ones in `Sampling`: the checkpoint's own `generation_config` (which may
 carry top_k, repetition_penalty, ...) is replaced, so the manifest records everything that shaped the text.
 """
@@ -44,10 +53,11 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generation_config(self, stop_token_ids: list[int], pad_token_id: int) -> GenerationConfig:
+    def generation_config(self, stop_token_ids: list[int], pad_token_id: int, **cache) -> GenerationConfig:
+        """`cache`: transformers' cache settings (cache_implementation, max_cache_len), passed through."""
         sampling = {} if self.greedy else {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
         return GenerationConfig(do_sample=not self.greedy, max_new_tokens=self.max_new_tokens,
-                                eos_token_id=stop_token_ids, pad_token_id=pad_token_id, **sampling)
+                                eos_token_id=stop_token_ids, pad_token_id=pad_token_id, **cache, **sampling)
 
 
 @dataclass(frozen=True)
@@ -72,27 +82,43 @@ class _Request:
     capacity: int
 
 
+KV_CACHES = ("dynamic", "static")
+BACKENDS = {"dynamic": "transformers generate: left-padded batches, KV cache",
+            "static": "transformers generate: left-padded batches of one shape, static KV cache"}
+
+
 class Generator:
     """Complete many prompts with one model, in left-padded batches.
 
     batch_size: at most this many prompts decode together.
     batch_tokens: at most this many KV-cache positions per batch, counted as
         rows x (longest prompt + max_new_tokens); bounds memory whatever the prompt lengths.
+    kv_cache: "dynamic" | "static" (see the module's docstring); static needs `max_length`, the longest prompt
+        plus max_new_tokens, and decodes batches of min(batch_size, batch_tokens // max_length) rows.
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer, sampling: Sampling, *, batch_size: int,
-                 batch_tokens: int):
+                 batch_tokens: int, kv_cache: str, max_length: int | None = None):
         if batch_size < 1 or batch_tokens < 1:
             raise SpecgenError(f"regenerate.batch_size and regenerate.batch_tokens must be positive, got "
                                f"{batch_size} and {batch_tokens}")
+        if kv_cache not in KV_CACHES:
+            raise SpecgenError(f"regenerate.kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
         self.model = model
         self.sampling = sampling
         self.batch_size = batch_size
         self.batch_tokens = batch_tokens
+        self.kv_cache = kv_cache
+        self.backend = BACKENDS[kv_cache]
         self.stop_token_ids = stop_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else self.stop_token_ids[0]  # any id: the mask hides it
-        model.generation_config = sampling.generation_config(self.stop_token_ids, self.pad_token_id)
+        cache = {}
+        if kv_cache == "static":
+            self.max_length, self.static_rows = static_shape(max_length, batch_size, batch_tokens,
+                                                              sampling.max_new_tokens)
+            cache = {"cache_implementation": "static", "max_cache_len": self.max_length}
+        model.generation_config = sampling.generation_config(self.stop_token_ids, self.pad_token_id, **cache)
 
     @property
     def device(self) -> torch.device:
@@ -102,8 +128,12 @@ class Generator:
                  on_batch: Callable[[int], None] | None = None) -> list[Completion]:
         """One completion per prompt, in the order given; `on_batch(tokens generated)` as they are generated (after
         every decoding step: the tokens of that step, stop tokens included), so a progress bar moves within a batch."""
-        requests = [_Request(i, prompt, len(prompt) + self.sampling.max_new_tokens)
+        static = self.kv_cache == "static"
+        requests = [_Request(i, prompt, self.max_length if static else len(prompt) + self.sampling.max_new_tokens)
                     for i, prompt in enumerate(prompts)]
+        if static and max(map(len, prompts), default=0) + self.sampling.max_new_tokens > self.max_length:
+            raise SpecgenError(f"a prompt of {max(map(len, prompts))} tokens does not fit the static KV cache of "
+                               f"{self.max_length} positions with {self.sampling.max_new_tokens} new tokens")
         completions: list[Completion | None] = [None] * len(requests)
         for batch in token_budget_batches(requests, self.batch_tokens, self.batch_size,
                                           length=lambda request: request.capacity):
@@ -114,16 +144,19 @@ class Generator:
 
     @torch.inference_mode()
     def _generate(self, prompts: list[list[int]], on_step: Callable[[int], None] | None = None) -> list[Completion]:
+        real = len(prompts)
+        if self.kv_cache == "static":  # the batch's fixed shape; the fillers' completions are dropped below
+            prompts = prompts + [prompts[-1]] * (self.static_rows - real)
         width = max(len(prompt) for prompt in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for row, prompt in enumerate(prompts):
             input_ids[row, width - len(prompt):] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt):] = 1
-        criteria = StoppingCriteriaList([_StepCounter(self.stop_token_ids, len(prompts), on_step)] if on_step else [])
+        criteria = StoppingCriteriaList([_StepCounter(self.stop_token_ids, real, on_step)] if on_step else [])
         output = self.model.generate(input_ids=input_ids.to(self.device),
                                      attention_mask=attention_mask.to(self.device), stopping_criteria=criteria)
-        return [self._completion(row) for row in output[:, width:].tolist()]
+        return [self._completion(row) for row in output[:real, width:].tolist()]
 
     def _completion(self, tokens: list[int]) -> Completion:
         """Cut at the first stop token: what follows is the padding of a row that finished before the batch."""
@@ -133,9 +166,24 @@ class Generator:
         return Completion(tokens, finished=False)
 
 
+def static_shape(max_length: int | None, batch_size: int, batch_tokens: int, max_new_tokens: int) -> tuple[int, int]:
+    """(positions, rows) of every batch with a static KV cache: max_length positions, as many rows as
+    regenerate.batch_size and regenerate.batch_tokens allow."""
+    if max_length is None or max_length <= max_new_tokens:
+        raise SpecgenError(f"a static KV cache needs the longest sequence, a prompt plus {max_new_tokens} new "
+                           f"tokens; got max_length={max_length}")
+    rows = min(batch_size, batch_tokens // max_length)
+    if rows < 1:
+        raise SpecgenError(f"regenerate.kv_cache=static holds every batch at {max_length} positions a row (the "
+                           f"longest prompt plus regenerate.max_new_tokens) but regenerate.batch_tokens="
+                           f"{batch_tokens} is less; raise regenerate.batch_tokens to a multiple of {max_length}")
+    return max_length, rows
+
+
 class _StepCounter(StoppingCriteria):
-    """Never stops anything: after each decoding step it reports how many rows produced a token in that step (rows
-    not finished before it; a stop token counts, as in `Completion.num_generated`)."""
+    """Never stops anything: after each decoding step it reports how many of the first `rows` rows (the real ones;
+    static batches end in fillers) produced a token in that step (rows not finished before it; a stop token
+    counts, as in `Completion.num_generated`)."""
 
     def __init__(self, stop_token_ids: list[int], rows: int, report: Callable[[int], None]):
         self.stops = torch.tensor(stop_token_ids)
@@ -143,7 +191,7 @@ class _StepCounter(StoppingCriteria):
         self.report = report
 
     def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
-        last = input_ids[:, -1].cpu()
+        last = input_ids[:len(self.finished), -1].cpu()
         self.report(int((~self.finished).sum()))
         self.finished |= torch.isin(last, self.stops)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

@@ -6,11 +6,12 @@ import json
 
 import torch
 from omegaconf import DictConfig
+from transformers import AutoConfig
 
 from specgen.capture.target import load_target
 from specgen.config import to_container
 from specgen.errors import SpecgenError
-from specgen.regen.engine import Generator, Sampling
+from specgen.regen.engine import Generator, Sampling, static_shape
 from specgen.regen.turns import ConversationRegenerator, TurnPolicy
 
 SEEDING = "torch.manual_seed(unit_seed(seed, part index)) before each part, so a part's text does not depend on " \
@@ -45,21 +46,28 @@ def load_model(cfg: DictConfig, device: torch.device):
     if cfg.engine.name == "vllm":
         from specgen.capture.vllm import meta_target, require_vllm
 
+        if cfg.regenerate.kv_cache != "dynamic":
+            raise SpecgenError(f"regenerate.kv_cache={cfg.regenerate.kv_cache} is a setting of engine=hf; vLLM "
+                               "manages its own paged cache: leave regenerate.kv_cache=dynamic")
         require_vllm()
         return meta_target(cfg.model.path, cfg.model.dtype)
     if cfg.engine.name != "hf":
         raise SpecgenError(f"engine={cfg.engine.name} does not regenerate; use engine=hf (the default) or "
                            "engine=vllm")
+    if cfg.regenerate.kv_cache == "static":  # its shape, checked before the weights load
+        _, max_length, _ = context_limits(cfg, AutoConfig.from_pretrained(cfg.model.path))
+        static_shape(max_length, cfg.regenerate.batch_size, cfg.regenerate.batch_tokens,
+                     cfg.regenerate.max_new_tokens)
     return load_target(cfg.model.path, dtype=cfg.model.dtype, device=str(device),
                        attn_implementation=cfg.model.attn_implementation)
 
 
-def context_limits(cfg: DictConfig, model) -> tuple[int, int, str]:
+def context_limits(cfg: DictConfig, model_config) -> tuple[int, int, str]:
     """(longest prompt, sequence length, what sets the prompt limit): a prompt plus regenerate.max_new_tokens fits
     in data.max_length + max_new_tokens, in engine.max_model_len when given, and never beyond the model's positions
     (config.max_position_embeddings). The same for every engine; the sequence length is vLLM's max_model_len."""
     new_tokens = int(cfg.regenerate.max_new_tokens)
-    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    positions = getattr(model_config.get_text_config(), "max_position_embeddings", None)
     asked = to_container(cfg.engine).get("max_model_len")
     if asked and positions and asked > positions:
         raise SpecgenError(f"engine.max_model_len={asked} exceeds the {positions} positions of {cfg.model.path}; "
@@ -80,15 +88,17 @@ def build_regenerator(cfg: DictConfig, tokenizer, model) -> ConversationRegenera
     settings = cfg.regenerate
     sampling = Sampling(temperature=float(settings.temperature), top_p=float(settings.top_p),
                         top_k=int(settings.top_k), max_new_tokens=int(settings.max_new_tokens))
-    max_prompt_tokens, max_model_len, prompt_limit = context_limits(cfg, model)
+    max_prompt_tokens, max_model_len, prompt_limit = context_limits(cfg, model.config)
     if cfg.engine.name == "vllm":
         from specgen.regen.vllm import VllmGenerator
+
 
         generator = VllmGenerator(cfg.model.path, model, tokenizer, sampling, engine=to_container(cfg.engine),
                                   seed=int(settings.seed), max_model_len=max_model_len)
     else:
         generator = Generator(model, tokenizer, sampling, batch_size=settings.batch_size,
-                              batch_tokens=settings.batch_tokens)
+                              batch_tokens=settings.batch_tokens, kv_cache=settings.kv_cache,
+                              max_length=max_model_len)
     policy = TurnPolicy(turns=settings.turns, on_truncated=settings.on_truncated, on_empty=settings.on_empty,
                         on_loop=settings.on_loop, loop_ngram=int(settings.loop_ngram),
                         loop_repeats=int(settings.loop_repeats), resample_tries=int(settings.resample_tries),
@@ -112,8 +122,7 @@ def generation_settings(cfg: DictConfig, regenerator: ConversationRegenerator) -
             **resample_settings(regenerator.policy),
             "max_prompt_tokens": regenerator.max_prompt_tokens, "prompt_limit": regenerator.prompt_limit,
             "stop_token_ids": regenerator.generator.stop_token_ids, "split_reasoning": regenerator.split_reasoning,
-            "backend": getattr(regenerator.generator, "backend",
-                               "transformers generate: left-padded batches, KV cache")}
+            "backend": regenerator.generator.backend}
 
 
 def resample_settings(policy) -> dict:

@@ -38,6 +38,7 @@ def _k(kind: str, *, null: bool = False, choices: tuple = (), min: float | None 
 
 
 POSITIVE = 1
+KEEP_BEST = ("heldout_accept_len_sim", "heldout_acc_0", "accept_len")  # train.keep_best: held-out figures, higher is better
 REFERENCE = "docs/reference/configuration.md"  # where error messages send the user: every key, generated from here
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -175,6 +176,7 @@ KEYS: dict[str, Key] = {
     "train.eval_prompts": _k("str", null=True),
     "train.eval_max_prompts": _k("int", min=POSITIVE),
     "train.heldout_samples": _k("int", min=0),
+    "train.keep_best": _k("str", null=True, choices=KEEP_BEST),
     # evaluate: speculative decoding on prompts
     "evaluate.num_draft_tokens": _k("int", min=POSITIVE),
     "evaluate.max_new_tokens": _k("int", min=POSITIVE),

@@ -55,6 +55,7 @@ def run(cfg: DictConfig) -> dict:
                            "train.heldout_samples=N (samples of the shards kept out of training)")
     if cfg.train.eval_every and cfg.train.eval_prompts is not None and not Path(cfg.train.eval_prompts).exists():
         raise SpecgenError(f"train.eval_prompts={cfg.train.eval_prompts}: no such file or folder")
+    _check_keep_best(cfg.train)
     if cfg.train.heldout_samples and cfg.mode != "offline":
         raise SpecgenError(f"train.heldout_samples={cfg.train.heldout_samples} holds out samples of data.shards "
                            f"(mode=offline); with mode={cfg.mode} use train.eval_prompts")
@@ -120,8 +121,24 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
         fresh = not (resume or settings.draft.init)
         print_summary(out_dir, data, training.draft, training.trainer.state, metrics, time.perf_counter() - start,
                       describe(training.optimizer), settings.draft.vocab_source if fresh else "checkpoint",
-                      settings.draft.vocab_size if fresh else None)
+                      settings.draft.vocab_size if fresh else None, keep_best=settings.train.keep_best)
     return metrics
+
+
+def _check_keep_best(train) -> None:
+    """train.keep_best picks among the drafts probed every train.eval_every steps, on the figure it names."""
+    best = train.keep_best
+    if best is None:
+        return
+    if not train.eval_every:
+        raise SpecgenError(f"train.keep_best={best} picks among the drafts probed every train.eval_every steps; "
+                           "set train.eval_every=N")
+    if best.startswith("heldout_") and not train.heldout_samples:
+        raise SpecgenError(f"train.keep_best={best} is a figure of the held-out samples: set "
+                           "train.heldout_samples=N")
+    if best == "accept_len" and train.eval_prompts is None:
+        raise SpecgenError("train.keep_best=accept_len is the decoded acceptance on train.eval_prompts: set "
+                           "train.eval_prompts=FILE")
 
 
 def _resume(trainer, checkpoint: Path) -> None:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from specgen.assets import ASSETS_DIR
 from specgen.config import compose
-from specgen.draft.checkpoint import load_draft
+from specgen.draft.checkpoint import load_draft, read_raw_config, specgen_info
 from specgen.errors import SpecgenError
 from specgen.training.optim import newton_schulz_dtype
 from tests.conftest import build_tiny_model
@@ -499,6 +499,63 @@ def test_heldout_samples_need_offline_shards_and_eval_every_accepts_them_alone(s
     train([f"data.shards={shards}", f"output.dir={ckpt}", "train.max_steps=2", "train.heldout_samples=2",
            "train.eval_every=1"])
     assert all("heldout_loss" in line and "accept_len" not in line for line in metrics(ckpt))
+
+
+def test_keep_best_publishes_the_best_probed_draft(shards, tmp_path, capsys):
+    """train.keep_best=heldout_accept_len_sim, a probe every 4 steps: output.dir holds checkpoints/best, the draft
+    of the probe with the highest held-out figure in metrics.jsonl (its step in config.json), and the summary names
+    the step it kept."""
+    ckpt = tmp_path / "ckpt"
+    train([f"data.shards={shards}", f"output.dir={ckpt}", "train.max_steps=12", "train.log_every=4",
+           "train.heldout_samples=4", "train.eval_every=4", "train.lr=5e-3", "train.keep_best=heldout_accept_len_sim"])
+    probes = [line for line in metrics(ckpt) if "heldout_accept_len_sim" in line]
+    assert [line["step"] for line in probes] == [4, 8, 12]
+    best = max(probes, key=lambda line: line["heldout_accept_len_sim"])  # the first of equal figures
+    assert specgen_info(read_raw_config(ckpt))["step"] == best["step"]
+    for name in ("model.safetensors", "config.json"):
+        assert (ckpt / name).read_bytes() == (ckpt / "checkpoints" / "best" / name).read_bytes()
+    summary = capsys.readouterr().out
+    assert "kept draft" in summary and f"step {best['step']} of 12: heldout_accept_len_sim" in summary
+
+
+def test_keep_best_keeps_an_earlier_draft_when_later_probes_score_lower(shards, tmp_path):
+    """Through the training seam, with the probe's figure scripted (1.1, 1.5, 1.2 at steps 4, 8, 12) on top of the
+    real held-out score: the draft of step 8 is the published one, byte for byte step 8's checkpoint, not the last
+    one's; the loop state records it (resumed runs compare against it)."""
+    from specgen.config import settings_of
+    from specgen.training.setup import Process, build_training
+
+    out = tmp_path / "seam"
+    settings = settings_of("train", [*QUICK, f"data.shards={shards}", f"output.dir={out}", "train.max_steps=12",
+                                     "train.log_every=4", "train.heldout_samples=4", "train.eval_every=4",
+                                     "train.save_every=4", "train.keep_checkpoints=3",
+                                     "train.keep_best=heldout_accept_len_sim"])
+    training = build_training(settings, Process(torch.device("cpu")), out)
+    real, scripted = training.trainer.probe, iter([1.1, 1.5, 1.2])
+    training.trainer.probe = lambda: {**real(), "heldout_accept_len_sim": next(scripted)}
+    training.fit()
+
+    state = training.trainer.state
+    assert (state.step, state.best_step, state.best_value) == (12, 8, 1.5)
+    step8, step12 = out / "checkpoints" / "step-000008", out / "checkpoints" / "step-000012"
+    assert (out / "model.safetensors").read_bytes() == (step8 / "model.safetensors").read_bytes()
+    assert (out / "model.safetensors").read_bytes() != (step12 / "model.safetensors").read_bytes()
+    assert specgen_info(read_raw_config(out))["step"] == 8
+    saved = json.loads((step12 / "training_state" / "trainer_state.json").read_text())
+    assert (saved["best_step"], saved["best_value"]) == (8, 1.5)
+
+
+def test_keep_best_needs_the_probes_it_picks_among(shards, tmp_path):
+    common = [f"data.shards={shards}", f"output.dir={tmp_path / 'x'}"]
+    with pytest.raises(SpecgenError, match="^train.keep_best=heldout_acc_0 picks among the drafts probed every"):
+        train([*common, "train.keep_best=heldout_acc_0", "train.heldout_samples=2"])
+    with pytest.raises(SpecgenError, match="^train.keep_best=heldout_acc_0 is a figure of the held-out samples"):
+        train([*common, "train.keep_best=heldout_acc_0", "train.eval_every=2",
+               f"train.eval_prompts={ASSETS_DIR / 'chat' / 'heldout.jsonl'}"])
+    with pytest.raises(SpecgenError, match="^train.keep_best=accept_len is the decoded acceptance"):
+        train([*common, "train.keep_best=accept_len", "train.eval_every=2", "train.heldout_samples=2"])
+    with pytest.raises(SpecgenError, match="^train.keep_best=loss is not one of"):
+        train([*common, "train.keep_best=loss"])
 
 
 def test_the_training_seam_trains_what_the_stage_trains(shards, uninterrupted, tmp_path):

@@ -9,12 +9,15 @@
                              sha256 in `checksums` (checked by load_draft)
     CKPT/model.safetensors   fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t (int64), t2d (bool)
 
-A training run's output.dir holds the latest draft in that layout (what evaluate, export and serving read) and, under
-`checkpoints/`, the step-numbered checkpoints that `train.resume=true` continues from (`Checkpoints`):
+A training run's output.dir holds the latest draft in that layout (what evaluate, export and serving read; with
+train.keep_best, the best probed one) and, under `checkpoints/`, the step-numbered checkpoints that
+`train.resume=true` continues from (`Checkpoints`):
 
     OUT/checkpoints/step-000120/              config.json, model.safetensors, training_state/ (optimizer,
                                               scheduler and data position, to resume training exactly)
     OUT/checkpoints/latest                    the newest complete checkpoint's folder name
+    OUT/checkpoints/best/                     train.keep_best: config.json and model.safetensors of the probed draft
+                                              with the best figure (its step in config.json)
 
 The token embedding is the target's and is not stored (as in the published EAGLE-3 drafts): both serving
 engines, and `load_draft` here, take it from the target. Weights are stored in the training dtype (float32 master
@@ -49,6 +52,7 @@ from specgen.store.commit import (
 TRAINING_STATE = "training_state"
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+BEST = "best"
 _STEP = re.compile(r"step-(\d+)")
 NOT_STORED = ("embed_tokens.weight",)  # the target's token embedding: every engine takes it from the target
 
@@ -112,12 +116,13 @@ class Checkpoints:
     Only the main process calls `begin` and `commit`; every process may write into `staging(step)` in between.
     """
 
-    def __init__(self, out_dir: str | Path, keep: int = 2):
+    def __init__(self, out_dir: str | Path, keep: int = 2, *, publish_best: bool = False):
         if keep < 1:
             raise SpecgenError(f"train.keep_checkpoints must be at least 1 (the one to resume from), got {keep}")
         self.out_dir = Path(out_dir)
         self.root = self.out_dir / CHECKPOINTS
         self.keep = keep
+        self.publish_best = publish_best  # train.keep_best: OUT gets checkpoints/best, not the newest checkpoint
 
     def complete(self) -> dict[int, Path]:
         """The complete checkpoints, by step (ascending)."""
@@ -157,9 +162,30 @@ class Checkpoints:
             _remove(final)
         commit_file(staging, final)
         self._write_latest(final)
-        self._publish(final)
+        self._publish(self.best if self.publish_best and self.best.is_dir() else final)
         self._prune()
         return final
+
+    @property
+    def best(self) -> Path:
+        """train.keep_best's folder: the draft of the best probe so far (not a checkpoint to resume from)."""
+        return self.root / BEST
+
+    def begin_best(self) -> Path:
+        """An empty staging folder for a new best draft (main process)."""
+        staging = tmp_path(self.best)
+        _remove(staging)
+        staging.mkdir(parents=True)
+        return staging
+
+    def commit_best(self) -> Path:
+        """Make the complete staging folder the best draft, and publish it to OUT."""
+        staging = tmp_path(self.best)
+        _fsync_tree(staging)
+        _remove(self.best)
+        commit_file(staging, self.best)
+        self._publish(self.best)
+        return self.best
 
     def _write_latest(self, final: Path) -> None:
         write_text_atomic(self.root / LATEST, final.name + "\n")

@@ -32,7 +32,8 @@ def vocab_clipped(asked: int | None, draft: nn.Module) -> str:
 
 
 def print_summary(out_dir: Path, data: TrainingData, draft: nn.Module, state: TrainerState, metrics: dict,
-                   seconds: float, optimizer: str, vocab_source: str = "data", vocab_asked: int | None = None) -> None:
+                   seconds: float, optimizer: str, vocab_source: str = "data", vocab_asked: int | None = None,
+                   keep_best: str | None = None) -> None:
     accuracies = " ".join(f"{metrics[k]:.2f}" for k in sorted((k for k in metrics if k.startswith("acc_")),
                                                               key=lambda k: int(k.split("_")[1])))
     print(format_table([
@@ -60,6 +61,9 @@ def print_summary(out_dir: Path, data: TrainingData, draft: nn.Module, state: Tr
                                     f"{metrics['accept_rounds']} rounds of real speculative decoding on the "
                                     "train.eval_prompts, last step; lossless in "
                                     f"{metrics['accept_lossless']:.0%} of them")] if "accept_len" in metrics else []),
+        *([("kept draft", f"step {state.best_step} of {state.step}: {keep_best} {state.best_value:.4f}, the best "
+                          f"probe (train.keep_best; the last step's: {metrics[keep_best]:.4f}); in {out_dir} and "
+                          "checkpoints/best")] if keep_best and state.best_step else []),
         ("throughput", f"{metrics.get('tokens_per_s', 0):,.0f} tokens/s (last logging window)"),
         *([("stream", f"this process: {data.source.report()}")] if isinstance(data.source, StreamBatches) else []),
         ("metrics", str(out_dir / METRICS)),

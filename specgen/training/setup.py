@@ -107,7 +107,7 @@ def build_training(settings, process: Process, out_dir: Path, *, resume_from: Pa
                               save_every=settings.train.save_every,
                               autocast_dtype=autocast_dtype(settings, process.device), mask_shift=shift,
                               eval_every=settings.train.eval_every, keep_checkpoints=settings.train.keep_checkpoints,
-                              metrics=metrics),
+                              keep_best=settings.train.keep_best, metrics=metrics),
         log_tracker=process.log, progress=settings.runtime.progress,
         vocab_source="checkpoint" if resume_from or settings.draft.init else settings.draft.vocab_source,
         probe=probe(settings, process, data, draft, objective, head, metrics, shift))

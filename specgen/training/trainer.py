@@ -52,6 +52,7 @@ class LoopSettings:
     mask_shift: int = 2  # step j at index i is scored where loss_mask[i + mask_shift + j] (specgen.methods.eagle3.ttt)
     eval_every: int = 0  # optimizer steps between probes (which also run at the last step); 0: the last step only
     keep_checkpoints: int = 2  # complete checkpoints kept in out_dir/checkpoints (the newest)
+    keep_best: str | None = None  # the probe figure whose highest value picks the published draft; None: the last
     metrics: Callable[[torch.Tensor], dict] | None = None  # the method's metrics of summed stats; None: TTT's
 
 
@@ -63,6 +64,8 @@ class TrainerState:
     epoch: int = 0
     batches_done: int = 0  # batches of `epoch` already trained
     tokens_seen: int = 0  # real (unpadded) tokens, all processes
+    best_step: int = 0  # train.keep_best: the step of the best probed draft so far (0: none yet)
+    best_value: float | None = None  # and its figure
 
     def save(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -120,7 +123,7 @@ class DraftTrainer:
         self.vocab_source = vocab_source  # where the draft vocabulary came from, for the nothing-scored error
         self.probe = probe
         self.state = TrainerState()
-        self.checkpoints = Checkpoints(out_dir, settings.keep_checkpoints)
+        self.checkpoints = Checkpoints(out_dir, settings.keep_checkpoints, publish_best=settings.keep_best is not None)
         self._first_window = True
 
     def resume(self, checkpoint: Path) -> None:
@@ -161,6 +164,8 @@ class DraftTrainer:
                     bar.set_postfix_str(f"loss {last_metrics['loss']:.3f} acc_0 {last_metrics['acc_0']:.3f} "
                                         f"scored {last_metrics['scored']:.2f}{accept}")
                     window = _Window()
+                    if probing:
+                        self._keep_if_best(last_metrics)
                 if saving:
                     self.checkpoint()
                 if state.step >= settings.total_steps:
@@ -205,6 +210,22 @@ class DraftTrainer:
             self._first_window = False
             self._require_scored(metrics)
         return metrics
+
+    def _keep_if_best(self, metrics: dict) -> None:
+        """train.keep_best (main process): the draft of a probe that beats every earlier one goes to
+        checkpoints/best and is published to out_dir (in place of the last one) from then on."""
+        name = self.settings.keep_best
+        if name is None or not self.is_main:
+            return
+        if name not in metrics:
+            raise SpecgenError(f"train.keep_best={name} but the probe at step {self.state.step} gave no {name}")
+        value = float(metrics[name])
+        if self.state.best_value is not None and value <= self.state.best_value:
+            return
+        self.state.best_step, self.state.best_value = self.state.step, value
+        self.save_draft(self.state, self.checkpoints.begin_best())
+        self.checkpoints.commit_best()
+        log.info("step %d: best %s so far (%.4f): published to %s", self.state.step, name, value, self.out_dir)
 
     def _metrics(self, stats: torch.Tensor) -> dict:
         if self.settings.metrics is not None:

@@ -624,6 +624,20 @@ def test_a_static_kv_cache_writes_what_the_dynamic_one_writes(greedy_run, chat_m
     assert "static" not in dynamic["generation"]["backend"]
 
 
+def test_the_filler_rows_of_a_static_batch_are_stopped_at_once_and_never_counted():
+    """A static batch's fillers (rows after the real ones) are marked done from the first step, so a sampled filler
+    cannot keep the batch decoding after its real rows end; progress counts the real rows only."""
+    from specgen.regen.engine import _StepCounter
+
+    reported = []
+    watch = _StepCounter([7], rows=2, report=reported.append)
+    step1 = torch.tensor([[1, 5], [1, 7], [1, 5]])  # row 1 ends with the stop token 7; row 2 is a filler
+    assert watch(step1).tolist() == [False, False, True] and reported == [2]
+    assert watch(torch.tensor([[1, 5, 5], [1, 7, 0], [1, 5, 5]])).tolist() == [False, False, True]
+    assert reported == [2, 1]
+    assert _StepCounter([7], rows=3, report=None)(step1).tolist() == [False, False, False]
+
+
 def test_a_static_kv_cache_that_cannot_hold_one_row_or_runs_in_vllm_is_refused(chat_model, tmp_path):
     from specgen.regen.setup import load_model
 

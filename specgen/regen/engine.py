@@ -153,7 +153,8 @@ class Generator:
         for row, prompt in enumerate(prompts):
             input_ids[row, width - len(prompt):] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt):] = 1
-        criteria = StoppingCriteriaList([_StepCounter(self.stop_token_ids, real, on_step)] if on_step else [])
+        watch = on_step is not None or real < len(prompts)
+        criteria = StoppingCriteriaList([_StepCounter(self.stop_token_ids, real, on_step)] if watch else [])
         output = self.model.generate(input_ids=input_ids.to(self.device),
                                      attention_mask=attention_mask.to(self.device), stopping_criteria=criteria)
         return [self._completion(row) for row in output[:real, width:].tolist()]
@@ -181,17 +182,20 @@ def static_shape(max_length: int | None, batch_size: int, batch_tokens: int, max
 
 
 class _StepCounter(StoppingCriteria):
-    """Never stops anything: after each decoding step it reports how many of the first `rows` rows (the real ones;
-    static batches end in fillers) produced a token in that step (rows not finished before it; a stop token
+    """Stops only the rows after the first `rows` (the fillers of a static batch, so that a sampled filler never
+    keeps the batch decoding after its real rows are done); after each decoding step it reports (when `report` is
+    given) how many of the real rows produced a token in that step (rows not finished before it; a stop token
     counts, as in `Completion.num_generated`)."""
 
-    def __init__(self, stop_token_ids: list[int], rows: int, report: Callable[[int], None]):
+    def __init__(self, stop_token_ids: list[int], rows: int, report: Callable[[int], None] | None):
         self.stops = torch.tensor(stop_token_ids)
         self.finished = torch.zeros(rows, dtype=torch.bool)
         self.report = report
 
     def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
-        last = input_ids[:len(self.finished), -1].cpu()
-        self.report(int((~self.finished).sum()))
-        self.finished |= torch.isin(last, self.stops)
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        real = len(self.finished)
+        if self.report is not None:
+            self.report(int((~self.finished).sum()))
+            self.finished |= torch.isin(input_ids[:real, -1].cpu(), self.stops)
+        fillers = torch.arange(input_ids.shape[0], device=input_ids.device) >= real
+        return fillers

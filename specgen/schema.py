@@ -38,7 +38,7 @@ def _k(kind: str, *, null: bool = False, choices: tuple = (), min: float | None 
 
 
 POSITIVE = 1
-KEEP_BEST = ("heldout_accept_len_sim", "heldout_acc_0", "accept_len")  # train.keep_best: held-out figures, higher is better
+KEEP_BEST = ("heldout_accept_len_sim", "heldout_acc_0", "accept_len")  # train.keep_best: higher is better
 REFERENCE = "docs/reference/configuration.md"  # where error messages send the user: every key, generated from here
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 

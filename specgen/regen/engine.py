@@ -9,9 +9,9 @@ Two KV caches (`regenerate.kv_cache`):
 - `dynamic` (the default): the cache grows by one position a step; a batch holds what fits the token budget.
 - `static`: every batch has the same shape, `rows` x `max_length` (the longest prompt the run allows plus
   max_new_tokens; a short last batch is filled with copies of its last prompt, stopped from the first step and
-  discarded), preallocated once. One shape means that on CUDA transformers compiles the decoding step once (`torch.compile`,
-  CUDA graphs) instead of launching every kernel of every layer from Python at every step: the launch-bound cost
-  of a small target on a GPU. On the CPU nothing is compiled and the fixed shape only costs (attention over
+  discarded), preallocated once. One shape means that on CUDA transformers compiles the decoding step once
+  (`torch.compile`, CUDA graphs) instead of launching every kernel of every layer from Python at every step: the
+  launch-bound cost of a small target on a GPU. On the CPU nothing is compiled and the fixed shape only costs (attention over
   max_length positions, the filler rows).
 
 The generation settings are exactly the ones in `Sampling`: the checkpoint's own `generation_config` (which may

@@ -1,5 +1,6 @@
 """Shared fixtures: real tokenizers and datasets from ../shared, tiny real models built from configs."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,14 @@ DATASETS = {
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `vllm` skip where vLLM is not installed, unless SPECGEN_REQUIRE_VLLM=1 (CI's vLLM venv)."""
+    """Files with slow tests first (with -n N the long files start at once and the short ones fill in at the end,
+    instead of one long file running alone last); tests marked `vllm` skip where vLLM is not installed, unless
+    SPECGEN_REQUIRE_VLLM=1 (CI's vLLM venv)."""
     import importlib.util
     import os
 
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within a file is kept
     if importlib.util.find_spec("vllm") is not None:
         return
     if os.environ.get("SPECGEN_REQUIRE_VLLM") == "1":
@@ -32,6 +37,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "vllm" in item.keywords:
             item.add_marker(skip)
+
+
+def accelerate_launch(module: str, *args: str, processes: int = 2, machines: int = 1, machine_rank: int = 0,
+                      port: int = 0) -> list[str]:
+    """The `accelerate launch` command line running `python -m module args` in `processes` CPU processes joined by
+    gloo. port 0 (one machine): a free port, so launches of tests running side by side (pytest -n) never meet on
+    accelerate's default 29500; several machines on localhost share the port the caller chose."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+           "--num_machines", str(machines), "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(port)]
+    if machines > 1:
+        cmd += ["--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1"]
+    return [*cmd, "-m", module, *args]
 
 
 def require_shared(path: Path) -> Path:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import BUNDLED_CHAT, REPO, build_tiny_model
+from conftest import BUNDLED_CHAT, REPO, accelerate_launch, build_tiny_model
 from specgen import open_shards
 from specgen.assets import ASSETS_DIR
 from specgen.config import compose
@@ -53,14 +53,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_cmd(args: list[str], *, processes: int = 2, machines: int = 1, machine_rank: int = 0,
-               port: int | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-           "--num_machines", str(machines), "--mixed_precision", "no", "--dynamo_backend", "no"]
-    if machines > 1:
-        cmd += ["--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1", "--main_process_port",
-                str(port)]
-    return [*cmd, "-m", "specgen.generate", *args]
+def launch_cmd(args: list[str], **kwargs) -> list[str]:
+    return accelerate_launch("specgen.generate", *args, **kwargs)
 
 
 def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, build_tiny_model
+from conftest import REPO, accelerate_launch, build_tiny_model
 from specgen.assets import ASSETS_DIR
 from specgen.config import compose
 from specgen.data.formats import normalize
@@ -328,9 +328,7 @@ def test_resume_after_kill_redoes_only_unfinished_parts(chat_model, tmp_path):
 def test_two_processes_equal_one(chat_model, tmp_path):
     source = write_source(tmp_path / "source.jsonl", CONVERSATIONS, BAD_LINES)
     single = run(compose("regenerate", regenerate_command(chat_model, source, tmp_path / "single")))
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m",
-              "specgen.regenerate", *regenerate_command(chat_model, source, tmp_path / "double")]
+    launch = accelerate_launch("specgen.regenerate", *regenerate_command(chat_model, source, tmp_path / "double"))
     result = subprocess.run(launch, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert part_files(tmp_path / "double") == part_files(tmp_path / "single")

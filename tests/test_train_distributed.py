@@ -6,26 +6,24 @@ process r the batches r, r+2, ..., which are exactly the pairs a single process 
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import accelerate_launch
 from specgen.assets import ASSETS_DIR
 from tests.test_train import QUICK, data_overrides, metrics, shards, target, train  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
 
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "specgen.train"]
-
 
 def launch_two(overrides: list[str], cwd: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([*LAUNCH, *QUICK, *overrides], cwd=Path(__file__).resolve().parent.parent, env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(accelerate_launch("specgen.train", *QUICK, *overrides),
+                            cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 

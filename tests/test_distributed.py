@@ -137,9 +137,11 @@ def test_two_machines_on_localhost_equal_one(target, reference, tmp_path):
 
 @pytest.mark.slow
 def test_a_dead_machine_stops_the_other_with_an_error(target, tmp_path):
-    """No torchrun agent watches both machines: the survivor must notice by itself, and not wait forever."""
+    """No torchrun agent watches both machines: the survivor must notice by itself, and not wait forever. Rank 1
+    (machine 1) sleeps before each claim, so the job is still running when it is killed, however loaded the machine
+    (without it, a busy machine could finish all 24 rows before the kill)."""
     out_dir, port = tmp_path / "out", free_port()
-    machines = [start(launch_cmd(job_args(target, out_dir), machines=2, machine_rank=rank, port=port))
+    machines = [start(launch_cmd(job_args(target, out_dir), machines=2, machine_rank=rank, port=port), env=SLOW_RANK_1)
                 for rank in (0, 1)]
     wait_for_first_shard(out_dir, machines[0])
     os.kill(worker_pids(machines[1].pid)[1], signal.SIGKILL)

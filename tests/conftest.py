@@ -1,5 +1,7 @@
 """Shared fixtures: real tokenizers and datasets from ../shared, tiny real models built from configs."""
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -50,6 +52,18 @@ def accelerate_launch(module: str, *args: str, processes: int = 2, machines: int
     if machines > 1:
         cmd += ["--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1"]
     return [*cmd, "-m", module, *args]
+
+
+def vllm_replay(samples: Path, out: Path, *args: str, in_process: bool = True, timeout: int = 900) -> dict:
+    """tests/vllm_replay.py (run by vLLM's venv, this python) on specgen.evaluate's `samples` (samples.jsonl): vLLM's
+    outputs and its own spec-decode counters, written to `out` and returned. `args`: the replay's flags (--target,
+    --draft, --k, --max-new-tokens, ...). in_process: vLLM's engine core and worker run in the replay's process (the
+    same outputs and counters, half the start-up); False starts them as `LLM()` does by default."""
+    command = [sys.executable, str(REPO / "tests" / "vllm_replay.py"), str(samples), str(out), *args,
+               *(["--in-process"] if in_process else [])]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
 
 
 def require_shared(path: Path) -> Path:

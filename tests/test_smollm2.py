@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from conftest import DATASETS, require_shared
+from conftest import DATASETS, require_shared, vllm_replay
 from specgen.assets import smollm2
 from specgen.capture import load_target, make_capture
 from specgen.data import ChatTemplateTokenizer, Conversation, iter_records, normalize, prepare_rows
@@ -146,10 +146,6 @@ def test_vllm_serves_a_draft_of_the_real_target_with_specgen_evaluate_counts(smo
     """A draft trained a few steps on SmolLM2 shards, replayed in vLLM's CPU build (tied embeddings: the target's
     embed_tokens is also its lm_head; the draft reads the target's embedding and has its own reduced-vocab head):
     vLLM's own spec-decode counters equal specgen.evaluate's, and its outputs the target's greedy ones."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from specgen.config import compose
     from specgen.evaluate import run as evaluate
     from specgen.generate import run as generate
@@ -169,13 +165,10 @@ def test_vllm_serves_a_draft_of_the_real_target_with_specgen_evaluate_counts(smo
                                            f"evaluate.num_draft_tokens={k}", f"output.dir={tmp_path / 'eval'}",
                                            *quiet]))
     assert report["lossless"] and report["matches_target_greedy"], report["lossless_line"]  # float32: exact
-    out = tmp_path / "vllm.json"
-    replay = Path(__file__).with_name("vllm_replay.py")
-    done = subprocess.run([sys.executable, str(replay), str(tmp_path / "eval" / "samples.jsonl"), str(out),
-                           "--target", str(smollm2_dir), "--draft", str(tmp_path / "draft"), "--k", str(k),
-                           "--max-new-tokens", str(new_tokens)], capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stderr[-3000:]
-    served = json.loads(out.read_text())
+    # the engine as `LLM()` starts it by default (its own engine-core and worker processes), on the real target
+    served = vllm_replay(tmp_path / "eval" / "samples.jsonl", tmp_path / "vllm.json", "--target", str(smollm2_dir),
+                         "--draft", str(tmp_path / "draft"), "--k", str(k), "--max-new-tokens", str(new_tokens),
+                         in_process=False, timeout=1200)
     samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
     assert served["output_token_ids"] == [sample["output_token_ids"] for sample in samples]
     assert served["num_drafts"] == report["verification_rounds"]

@@ -15,20 +15,18 @@ the counters are compared exactly with specgen.evaluate run under that same norm
 """
 
 import json
-import subprocess
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from conftest import vllm_replay
 from specgen.assets import ASSETS_DIR
 from specgen.config import compose
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-REPLAY = Path(__file__).with_name("vllm_replay.py")
 TARGET = ASSETS_DIR / "tiny-target"
 MAX_NEW_TOKENS, PROMPTS = 64, 16
 QUIET = ["runtime.progress=false", "runtime.threads=1"]
@@ -114,12 +112,9 @@ def counted(report: dict) -> dict:
 
 
 def replay(trained: dict, name: str, *args: str) -> dict:
-    out = trained["root"] / f"vllm-{name}.json"
-    command = [sys.executable, str(REPLAY), str(trained["root"] / "eval" / "samples.jsonl"), str(out),
-               "--k", str(trained["k"]), "--max-new-tokens", str(MAX_NEW_TOKENS), "--target", str(TARGET), *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(out.read_text())
+    root = trained["root"]
+    return vllm_replay(root / "eval" / "samples.jsonl", root / f"vllm-{name}.json", "--k", str(trained["k"]),
+                       "--max-new-tokens", str(MAX_NEW_TOKENS), "--target", str(TARGET), *args)
 
 
 def test_vllm_serves_the_dflash_draft_as_trained(trained):

@@ -7,13 +7,12 @@ P-EAGLE is served with `parallel_drafting=True` (vllm format) and from its specu
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from conftest import vllm_replay
 from specgen.config import compose
-from tests.test_vllm_serving import MAX_NEW_TOKENS, PROMPTS, QUIET, REPLAY, TARGET, K
+from tests.test_vllm_serving import MAX_NEW_TOKENS, PROMPTS, QUIET, TARGET, K
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -43,12 +42,20 @@ def trained(root, method: str) -> dict:
 
 
 def replay(root, name: str, samples_path, *args: str) -> dict:
-    out = root / f"vllm-{name}.json"
-    command = [sys.executable, str(REPLAY), str(samples_path), str(out), "--k", str(K),
-               "--max-new-tokens", str(MAX_NEW_TOKENS), *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(out.read_text())
+    return vllm_replay(samples_path, root / f"vllm-{name}.json", "--k", str(K), "--max-new-tokens", str(MAX_NEW_TOKENS),
+                       *args)
+
+
+def target_alone(root, samples_path) -> dict:
+    """vLLM's target alone on these prompts, replayed once per distinct prompt set: its greedy outputs depend on the
+    prompts only, and every method here is evaluated on the same held-out prompts."""
+    prompts = json.dumps([json.loads(line)["prompt_token_ids"] for line in samples_path.read_text().splitlines()])
+    if prompts not in ALONE:
+        ALONE[prompts] = replay(root, f"target-{len(ALONE)}", samples_path, "--target", str(TARGET))
+    return ALONE[prompts]
+
+
+ALONE: dict[str, dict] = {}
 
 
 def assert_served_as_evaluated(served: dict, alone: dict, run: dict) -> None:
@@ -66,7 +73,7 @@ def test_vllm_serves_eagle31_as_evaluated(shards):
     config = json.loads((run["draft"] / "config.json").read_text())
     assert (config["fc_norm"], config["norm_output"]) == (True, True)
     served = replay(shards, "eagle3.1", run["samples_path"], "--target", str(TARGET), "--draft", str(run["draft"]))
-    alone = replay(shards, "target-eagle3.1", run["samples_path"], "--target", str(TARGET))
+    alone = target_alone(shards, run["samples_path"])
     assert_served_as_evaluated(served, alone, run)
 
 
@@ -76,7 +83,7 @@ def test_vllm_serves_peagle_with_parallel_drafting_as_evaluated(shards):
     run = trained(shards, "p-eagle")
     served = replay(shards, "p-eagle", run["samples_path"], "--target", str(TARGET), "--draft", str(run["draft"]),
                     "--parallel-drafting")
-    alone = replay(shards, "target-p-eagle", run["samples_path"], "--target", str(TARGET))
+    alone = target_alone(shards, run["samples_path"])
     assert_served_as_evaluated(served, alone, run)
     folder = shards / "peagle-speculators"
     export(compose("export", [f"draft.path={run['draft']}", f"output.dir={folder}", "export.format=speculators",

@@ -7,18 +7,16 @@ A draft trained by specgen.train on the bundled demo target is evaluated by spec
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import vllm_replay
 from specgen.assets import ASSETS_DIR
 from specgen.config import compose
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-REPLAY = Path(__file__).with_name("vllm_replay.py")
 TARGET = ASSETS_DIR / "tiny-target"  # head_dim 32: one of the head sizes vLLM's CPU attention supports
 K, MAX_NEW_TOKENS, PROMPTS = 4, 64, 16
 QUIET = ["runtime.progress=false", "runtime.threads=1"]
@@ -45,12 +43,9 @@ def trained(tmp_path_factory) -> dict:
 def replay(trained: dict, name: str, *args: str) -> dict:
     """vLLM's outputs and counters on specgen.evaluate's prompts (cached per configuration within the module)."""
     if name not in trained["served"]:
-        out = trained["root"] / f"vllm-{name}.json"
-        command = [sys.executable, str(REPLAY), str(trained["root"] / "eval" / "samples.jsonl"), str(out),
-                   "--k", str(K), "--max-new-tokens", str(MAX_NEW_TOKENS), *args]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stderr[-3000:]
-        trained["served"][name] = json.loads(out.read_text())
+        trained["served"][name] = vllm_replay(trained["root"] / "eval" / "samples.jsonl",
+                                              trained["root"] / f"vllm-{name}.json",
+                                              "--k", str(K), "--max-new-tokens", str(MAX_NEW_TOKENS), *args)
     return trained["served"][name]
 
 

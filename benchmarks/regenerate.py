@@ -1,5 +1,6 @@
 """Regeneration throughput of the transformers engine: one request at a time, batched with the dynamic KV cache, and
-batched with the static one (`regenerate.kv_cache=static`), side by side.
+batched with the static one (`regenerate.kv_cache=static`), side by side; with `--modes ... vllm` (run by the python
+of vLLM's venv, `.ci/vllm-venv`) vLLM's engine beside them (`engine=vllm`: its default settings, continuous batching).
 
 Every mode runs specgen's regeneration path (chat template, turn-by-turn on-policy context, decode) on the same
 model and conversations, in one process, differing only in `regenerate.batch_size` and `regenerate.kv_cache`.
@@ -17,7 +18,7 @@ Models (random weights, seed 0, the real Llama-3.1 vocabulary and tokenizer from
 or --model DIR, any local Hugging Face model folder.
 
   python benchmarks/regenerate.py [--rows 32] [--max-new-tokens 32] [--batch-size 32] [--threads 2]
-      [--shape small|smollm2 | --model DIR] [--dtype float32] [--device cpu|cuda] [--modes single dynamic static]
+      [--shape small|smollm2 | --model DIR] [--dtype float32] [--device cpu|cuda] [--modes single dynamic static vllm]
 On one GPU (about 2 minutes):
   python benchmarks/regenerate.py --device cuda --dtype bfloat16 --shape smollm2 --rows 512 --batch-size 128 \\
       --max-new-tokens 256 --modes dynamic static
@@ -36,18 +37,39 @@ from common import SHARED, SMALL, SMOLLM2_135M, build_llama
 DATA = SHARED / "datasets" / "sharegpt_fastchat_dummy.json"
 SHAPES = {"small": SMALL, "smollm2": SMOLLM2_135M}
 MODES = {"single": ("one at a time", "dynamic"), "dynamic": ("batched", "dynamic"),
-         "static": ("batched, static", "static")}
+         "static": ("batched, static", "static"), "vllm": ("vLLM engine", None)}
 MAX_PROMPT_TOKENS = 1024  # the longest prompt regenerated (a static cache holds this + max_new_tokens a row)
 
 
-def regenerate(model, tokenizer, records, *, batch_size: int, max_new_tokens: int, kv_cache: str):
-    """Regenerate `records`: (unit stats, seconds, output rows)."""
-    from specgen.regen.engine import Generator, Sampling
+def greedy(max_new_tokens: int):
+    from specgen.regen.engine import Sampling
+
+    return Sampling(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens)
+
+
+def hf_generator(model, tokenizer, *, batch_size: int, max_new_tokens: int, kv_cache: str):
+    from specgen.regen.engine import Generator
+
+    return Generator(model, tokenizer, greedy(max_new_tokens), batch_size=batch_size, batch_tokens=1 << 30,
+                     kv_cache=kv_cache, max_length=MAX_PROMPT_TOKENS + max_new_tokens)
+
+
+def vllm_generator(model_dir: Path, model, tokenizer, *, max_new_tokens: int):
+    """specgen's vLLM generator with `engine=vllm`'s settings, as `specgen regenerate engine=vllm` builds it."""
+    from omegaconf import OmegaConf
+
+    from specgen.config import compose
+    from specgen.regen.vllm import VllmGenerator
+
+    engine = OmegaConf.to_container(compose("regenerate", ["engine=vllm"]).engine)
+    return VllmGenerator(model_dir, model, tokenizer, greedy(max_new_tokens), engine=engine,
+                         max_model_len=MAX_PROMPT_TOKENS + max_new_tokens)
+
+
+def regenerate(generator, model, tokenizer, records):
+    """Regenerate `records` with `generator`: (unit stats, seconds, output rows)."""
     from specgen.regen.turns import ConversationRegenerator, TurnPolicy
 
-    sampling = Sampling(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens)
-    generator = Generator(model, tokenizer, sampling, batch_size=batch_size, batch_tokens=1 << 30,
-                          kv_cache=kv_cache, max_length=MAX_PROMPT_TOKENS + max_new_tokens)
     regenerator = ConversationRegenerator(tokenizer, generator, TurnPolicy(on_empty="keep"),
                                           max_prompt_tokens=MAX_PROMPT_TOKENS)
     synchronize(model.device)
@@ -85,21 +107,25 @@ def main() -> None:
     from specgen.capture.target import load_target
     from specgen.data.sources import iter_records
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or build_llama(Path(tmp) / "model", shape=SHAPES[args.shape])
-        model = load_target(model_dir, dtype=args.dtype, device=args.device)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tmp = tempfile.TemporaryDirectory()  # removed at exit: vLLM's engine reads the folder too
+    model_dir = args.model or build_llama(Path(tmp.name) / "model", shape=SHAPES[args.shape])
+    model = load_target(model_dir, dtype=args.dtype, device=args.device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     records = list(itertools.islice(itertools.cycle(iter_records(DATA)), args.rows))
 
     results = []
     for mode in args.modes:
         name, kv_cache = MODES[mode]
         size = 1 if mode == "single" else args.batch_size
-        warm = regenerate(model, tokenizer, records[:args.batch_size], batch_size=size,
-                          max_new_tokens=args.max_new_tokens, kv_cache=kv_cache)[1]
-        stats, seconds, rows = regenerate(model, tokenizer, records, batch_size=size,
-                                          max_new_tokens=args.max_new_tokens, kv_cache=kv_cache)
+        if mode == "vllm":  # the engine's start is not timed; it batches continuously (no batch size)
+            generator, size = vllm_generator(model_dir, model, tokenizer, max_new_tokens=args.max_new_tokens), "-"
+        else:
+            generator = hf_generator(model, tokenizer, batch_size=size, max_new_tokens=args.max_new_tokens,
+                                     kv_cache=kv_cache)
+        warm = regenerate(generator, model, tokenizer, records[:args.batch_size])[1]
+        stats, seconds, rows = regenerate(generator, model, tokenizer, records)
         results.append((name, size, warm, stats, seconds, assistant_turns(rows)))
+        del generator
 
     model_name = args.model or f"llama shape {args.shape}, Llama-3.1 vocab"
     print(f"model {model_name} ({str(model.dtype).removeprefix('torch.')}, {model.device}, {args.threads} threads); "

@@ -3,7 +3,8 @@ batched with the static one (`regenerate.kv_cache=static`), side by side; with `
 of vLLM's venv, `.ci/vllm-venv`) vLLM's engine beside them (`engine=vllm`: its default settings, continuous batching).
 
 Every mode runs specgen's regeneration path (chat template, turn-by-turn on-policy context, decode) on the same
-model and conversations, in one process, differing only in `regenerate.batch_size` and `regenerate.kv_cache`.
+model and conversations, in one process, differing only in `regenerate.batch_size` and `regenerate.kv_cache` (and
+`engine.name` for the vllm mode).
 Greedy decoding, so every mode must write the same text (the table says how many turns agree with the first mode;
 low-precision kernels may break rare near-ties differently in a batch). A random model rarely ends its turns early,
 so the modes generate the same number of tokens.

@@ -46,6 +46,9 @@ def replay(root, name: str, samples_path, *args: str) -> dict:
                        *args)
 
 
+ALONE: dict[str, dict] = {}  # vLLM's target-alone replay, by the prompts it decoded
+
+
 def target_alone(root, samples_path) -> dict:
     """vLLM's target alone on these prompts, replayed once per distinct prompt set: its greedy outputs depend on the
     prompts only, and every method here is evaluated on the same held-out prompts."""
@@ -54,8 +57,6 @@ def target_alone(root, samples_path) -> dict:
         ALONE[prompts] = replay(root, f"target-{len(ALONE)}", samples_path, "--target", str(TARGET))
     return ALONE[prompts]
 
-
-ALONE: dict[str, dict] = {}
 
 
 def assert_served_as_evaluated(served: dict, alone: dict, run: dict) -> None:

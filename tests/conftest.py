@@ -21,6 +21,14 @@ DATASETS = {
 }
 
 
+def pytest_configure(config):
+    """vLLM's CPU build binds each engine's threads, its main thread included, to the first cores by default: with
+    several test processes side by side (pytest -n) they would all share core 0. Unbound, the OS spreads them."""
+    import os
+
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
 def pytest_collection_modifyitems(config, items):
     """Files with slow tests first (with -n N the long files start at once and the short ones fill in at the end,
     instead of one long file running alone last); tests marked `vllm` skip where vLLM is not installed, unless
@@ -54,15 +62,62 @@ def accelerate_launch(module: str, *args: str, processes: int = 2, machines: int
     return [*cmd, "-m", module, *args]
 
 
+_REPLAYER: dict = {}  # this test process's `tests/vllm_replay.py --serve` (started by the first in-process replay)
+
+
+def _end_replayer(process: subprocess.Popen) -> None:
+    """At the end of the test process: the replayer's stdin closes, so it ends; waited for, so it is not left."""
+    process.stdin.close()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def _replayer() -> tuple[subprocess.Popen, Path]:
+    """The replayer process and its log: one per test process, so torch and vLLM are imported once, not per replay.
+    One CPU thread, not bound to a core (vLLM's default binds its threads, the main one included, to the first
+    cores: with pytest -n, every worker's replays then share core 0)."""
+    import atexit
+    import os
+    import tempfile
+
+    if "process" not in _REPLAYER or _REPLAYER["process"].poll() is not None:
+        handle, name = tempfile.mkstemp(prefix="vllm-replayer-", suffix=".log")
+        os.close(handle)
+        log = Path(name)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        process = subprocess.Popen([sys.executable, str(REPO / "tests" / "vllm_replay.py"), "--serve"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
+                                   env=env)
+        atexit.register(_end_replayer, process)
+        _REPLAYER.update(process=process, log=log)
+    return _REPLAYER["process"], _REPLAYER["log"]
+
+
 def vllm_replay(samples: Path, out: Path, *args: str, in_process: bool = True, timeout: int = 900) -> dict:
     """tests/vllm_replay.py (run by vLLM's venv, this python) on specgen.evaluate's `samples` (samples.jsonl): vLLM's
     outputs and its own spec-decode counters, written to `out` and returned. `args`: the replay's flags (--target,
-    --draft, --k, --max-new-tokens, ...). in_process: vLLM's engine core and worker run in the replay's process (the
-    same outputs and counters, half the start-up); False starts them as `LLM()` does by default."""
-    command = [sys.executable, str(REPO / "tests" / "vllm_replay.py"), str(samples), str(out), *args,
-               *(["--in-process"] if in_process else [])]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
+    --draft, --k, --max-new-tokens, ...). in_process: vLLM's engine core and worker run in the process of this
+    test process's replayer (`--serve`; the same outputs and counters, without a start-up per replay); False starts
+    a replay of its own whose engine runs as `LLM()` runs it by default."""
+    import select
+
+    if not in_process:
+        command = [sys.executable, str(REPO / "tests" / "vllm_replay.py"), str(samples), str(out), *args]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(out.read_text())
+    process, log = _replayer()
+    process.stdin.write(json.dumps([str(samples), str(out), *args]) + "\n")
+    process.stdin.flush()
+    ready, _, _ = select.select([process.stdout], [], [], timeout)
+    line = process.stdout.readline() if ready else ""
+    if not line:
+        process.kill()  # a late answer must not be read as the next request's
+    assert line, f"the vLLM replayer did not answer within {timeout} s or ended; its log: {log.read_text()[-3000:]}"
+    answer = json.loads(line)
+    assert answer["ok"], answer["error"][-3000:]
     return json.loads(out.read_text())
 
 

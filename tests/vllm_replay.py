@@ -12,12 +12,22 @@ it in vLLM's venv; vLLM spawns workers, hence the __main__ guard. --in-process r
 worker in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the uni executor): the same outputs and counters, without
 starting two more interpreters that import torch and vLLM (the tests' replays: 17 s instead of 37 on 2 cores);
 without it the engine runs as `vllm serve` and `LLM()` run it by default (the benchmarks' timings).
+
+    python tests/vllm_replay.py --serve     # the tests' replayer: one replay per line of stdin
+
+--serve reads one JSON list of the arguments above per line of stdin, replays each in this process (in-process, one
+`LLM` after another, each deleted before the next) and answers one JSON line per request on stdout ({"ok": true} or
+{"ok": false, "error": traceback}); vLLM's own output goes to stderr. One replayer per test worker imports torch and
+vLLM once instead of once a replay (14 of a replay's 25 CPU-seconds here).
 """
 
 import argparse
+import gc
 import json
 import os
+import sys
 import time
+import traceback
 
 
 def counters(llm) -> dict:
@@ -33,7 +43,7 @@ def counters(llm) -> dict:
     return found
 
 
-def main() -> None:
+def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("samples")
     parser.add_argument("out")
@@ -46,11 +56,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--parallel-drafting", action="store_true")  # P-EAGLE drafts: all K in one forward
     parser.add_argument("--in-process", action="store_true")  # engine core and worker in this process
-    args = parser.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if args.in_process:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when vllm is imported
+    return parser.parse_args(argv)
 
+
+def replay(args: argparse.Namespace) -> None:
+    """Serve args.samples' prompts with args' target (and draft); write outputs and counters to args.out."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -79,6 +89,34 @@ def main() -> None:
                                                   for n in result["num_accepted_tokens_per_pos"]]
     with open(args.out, "w") as handle:
         json.dump(result, handle)
+    del llm, outputs  # the engine and its KV cache go before the next replay of a --serve process
+    gc.collect()
+
+
+def serve() -> None:
+    """--serve: replays requested on stdin, one JSON argument list a line, answered one JSON line each on stdout."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # vLLM logs to stdout: everything but the answers goes to stderr
+    for line in sys.stdin:
+        try:
+            replay(parse([*json.loads(line), "--in-process"]))
+            answer = {"ok": True}
+        except Exception:  # noqa: BLE001 - the test that asked gets the traceback; the next replay still runs
+            answer = {"ok": False, "error": traceback.format_exc()}
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
+
+
+def main() -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if sys.argv[1:] == ["--serve"]:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when vllm is imported
+        serve()
+        return
+    args = parse(sys.argv[1:])
+    if args.in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    replay(args)
 
 
 if __name__ == "__main__":

@@ -65,13 +65,15 @@ def accelerate_launch(module: str, *args: str, processes: int = 2, machines: int
 _REPLAYER: dict = {}  # this test process's `tests/vllm_replay.py --serve` (started by the first in-process replay)
 
 
-def _end_replayer(process: subprocess.Popen) -> None:
-    """At the end of the test process: the replayer's stdin closes, so it ends; waited for, so it is not left."""
+def _end_replayer(process: subprocess.Popen, log: Path) -> None:
+    """At the end of the test process: the replayer's stdin closes, so it ends; waited for, so it is not left; its
+    log goes (a failed replay's test quoted its end)."""
     process.stdin.close()
     try:
         process.wait(timeout=60)
     except subprocess.TimeoutExpired:
         process.kill()
+    log.unlink(missing_ok=True)
 
 
 def _replayer() -> tuple[subprocess.Popen, Path]:
@@ -87,10 +89,11 @@ def _replayer() -> tuple[subprocess.Popen, Path]:
         os.close(handle)
         log = Path(name)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-        process = subprocess.Popen([sys.executable, str(REPO / "tests" / "vllm_replay.py"), "--serve"],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
-                                   env=env)
-        atexit.register(_end_replayer, process)
+        with log.open("w") as stderr:
+            process = subprocess.Popen([sys.executable, str(REPO / "tests" / "vllm_replay.py"), "--serve"],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                       env=env)
+        atexit.register(_end_replayer, process, log)
         _REPLAYER.update(process=process, log=log)
     return _REPLAYER["process"], _REPLAYER["log"]
 

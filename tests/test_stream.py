@@ -286,6 +286,23 @@ def test_an_object_of_an_earlier_run_is_captured_again(tmp_path):
     assert "1 objects of an earlier run captured again" in source.report()
 
 
+def test_a_put_whose_object_is_taken_at_once_still_returns_its_size(tmp_path, monkeypatch):
+    """A trainer may take and delete an object the moment it appears: the server's put still succeeds and returns
+    the size (a put that measured the published file after the rename raised FileNotFoundError in the server)."""
+    import specgen.stream.transport as transport_module
+
+    transport, replace = FileTransport(tmp_path / OBJECTS), os.replace
+
+    def publish_then_take(src, dst):
+        replace(src, dst)
+        assert transport.get("b") is not None  # the trainer reads it whole ...
+        transport.delete("b")  # ... and frees it before put returns
+
+    monkeypatch.setattr(transport_module.os, "replace", publish_then_take)
+    size = transport.put("b", {"aux": torch.ones(4, 3)}, {"run": "r"})
+    assert size > 4 * 3 * 4 and not transport.has("b") and list((tmp_path / OBJECTS).iterdir()) == []
+
+
 def test_requests_run_ahead_across_the_end_of_an_epoch(tmp_path):
     """While the last batch of epoch 0 trains, the first batches of epoch 1 are already asked for (servers never idle
     at an epoch boundary), and epoch 1 then continues that stream in plan order."""
@@ -296,7 +313,8 @@ def test_requests_run_ahead_across_the_end_of_an_epoch(tmp_path):
     samples = [TokenizedSample(f"s{i}", i, list(range(1, 4 + i)), [0] + [1] * (2 + i)) for i in range(4)]
     spool, transport, stop = Spool(tmp_path), FileTransport(tmp_path / OBJECTS), threading.Event()
     source = StreamBatches(samples, BatchPlan(batch_tokens=7, max_batch_size=None, seed=0), spool, transport,
-                           StreamSettings(window=3, poll_s=0.005), pad_id=0, bytes_per_token=64, identity="run")
+                           StreamSettings(window=3, poll_s=0.005, wait_timeout_s=60), pad_id=0, bytes_per_token=64,
+                           identity="run")
 
     def serve():  # a server in a thread: puts an object (rows filled with the sample index) for every request
         while not stop.is_set():

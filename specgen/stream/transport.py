@@ -34,17 +34,19 @@ class FileTransport:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def put(self, name: str, tensors: dict[str, torch.Tensor], meta: dict) -> int:
-        """Store the object `name`; returns its size in bytes."""
+        """Store the object `name`; returns its size in bytes (measured before it appears: a trainer may take and
+        delete it at once)."""
         path = self._path(name)
         tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
         try:
             save_file({key: value.contiguous() for key, value in tensors.items()}, str(tmp),
                       metadata={"meta": json.dumps(meta)})
+            size = tmp.stat().st_size
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        return path.stat().st_size
+        return size
 
     def get(self, name: str) -> tuple[dict[str, torch.Tensor], dict] | None:
         """The object's tensors and metadata, or None while it is not there."""

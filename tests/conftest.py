@@ -1,8 +1,12 @@
 """Shared fixtures: real tokenizers and datasets from ../shared, tiny real models built from configs."""
 
+import atexit
 import json
+import os
+import select
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,8 +28,6 @@ DATASETS = {
 def pytest_configure(config):
     """vLLM's CPU build binds each engine's threads, its main thread included, to the first cores by default: with
     several test processes side by side (pytest -n) they would all share core 0. Unbound, the OS spreads them."""
-    import os
-
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
@@ -34,7 +36,6 @@ def pytest_collection_modifyitems(config, items):
     instead of one long file running alone last); tests marked `vllm` skip where vLLM is not installed, unless
     SPECGEN_REQUIRE_VLLM=1 (CI's vLLM venv)."""
     import importlib.util
-    import os
 
     slow_files = {item.path for item in items if "slow" in item.keywords}
     items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within a file is kept
@@ -78,17 +79,12 @@ def _end_replayer(process: subprocess.Popen, log: Path) -> None:
 
 def _replayer() -> tuple[subprocess.Popen, Path]:
     """The replayer process and its log: one per test process, so torch and vLLM are imported once, not per replay.
-    One CPU thread, not bound to a core (vLLM's default binds its threads, the main one included, to the first
-    cores: with pytest -n, every worker's replays then share core 0)."""
-    import atexit
-    import os
-    import tempfile
-
+    One CPU thread, unbound like every vLLM engine of the tests (`pytest_configure`)."""
     if "process" not in _REPLAYER or _REPLAYER["process"].poll() is not None:
         handle, name = tempfile.mkstemp(prefix="vllm-replayer-", suffix=".log")
         os.close(handle)
         log = Path(name)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         with log.open("w") as stderr:
             process = subprocess.Popen([sys.executable, str(REPO / "tests" / "vllm_replay.py"), "--serve"],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
@@ -104,8 +100,6 @@ def vllm_replay(samples: Path, out: Path, *args: str, in_process: bool = True, t
     --draft, --k, --max-new-tokens, ...). in_process: vLLM's engine core and worker run in the process of this
     test process's replayer (`--serve`; the same outputs and counters, without a start-up per replay); False starts
     a replay of its own whose engine runs as `LLM()` runs it by default."""
-    import select
-
     if not in_process:
         command = [sys.executable, str(REPO / "tests" / "vllm_replay.py"), str(samples), str(out), *args]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)

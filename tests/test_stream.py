@@ -289,8 +289,6 @@ def test_an_object_of_an_earlier_run_is_captured_again(tmp_path):
 def test_a_put_whose_object_is_taken_at_once_still_returns_its_size(tmp_path, monkeypatch):
     """A trainer may take and delete an object the moment it appears: the server's put still succeeds and returns
     the size (a put that measured the published file after the rename raised FileNotFoundError in the server)."""
-    import specgen.stream.transport as transport_module
-
     transport, replace = FileTransport(tmp_path / OBJECTS), os.replace
 
     def publish_then_take(src, dst):
@@ -298,7 +296,7 @@ def test_a_put_whose_object_is_taken_at_once_still_returns_its_size(tmp_path, mo
         assert transport.get("b") is not None  # the trainer reads it whole ...
         transport.delete("b")  # ... and frees it before put returns
 
-    monkeypatch.setattr(transport_module.os, "replace", publish_then_take)
+    monkeypatch.setattr(os, "replace", publish_then_take)
     size = transport.put("b", {"aux": torch.ones(4, 3)}, {"run": "r"})
     assert size > 4 * 3 * 4 and not transport.has("b") and list((tmp_path / OBJECTS).iterdir()) == []
 

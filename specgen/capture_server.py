@@ -9,6 +9,11 @@ captures the batch it held. The trainer fixes the run (aux layers, target); a se
 run's refuses it in one line.
 """
 
+if __name__ == "__main__":  # a config error or `--cfg job` is answered before torch is imported (specgen.config)
+    from specgen.config import check_command_line
+
+    check_command_line("capture_server")
+
 import logging
 from collections.abc import Callable
 

@@ -7,6 +7,8 @@
 import importlib
 import sys
 
+from specgen.config import check_command_line
+
 STAGES = {
     "generate": "conversations -> target capture -> Arrow shards",
     "train": "train an EAGLE-3 draft (offline from shards, or online)",
@@ -17,6 +19,7 @@ STAGES = {
     "capture_server": "capture target hidden states for disaggregated training (train mode=disaggregated)",
     "run": "a recipe's stages in order (run.stages), each in its own folder of run.dir; re-running resumes",
 }
+CONFIGURED = set(STAGES) - {"run"}  # the Hydra stages (`specgen run` checks its stages' configs itself)
 
 
 def usage() -> str:
@@ -31,11 +34,13 @@ def main() -> None:
     stage = sys.argv[1]
     if stage not in STAGES:
         sys.exit(f"error: unknown stage {stage!r}; one of: {', '.join(STAGES)}")
+    sys.argv = [f"specgen {stage}", *sys.argv[2:]]
+    if stage in CONFIGURED:
+        check_command_line(stage)  # a config error or `--cfg job` answered before the stage imports torch
     try:
         module = importlib.import_module(f"specgen.{stage}")
     except ModuleNotFoundError:
         sys.exit(f"error: stage {stage!r} is not available in this installation")
-    sys.argv = [f"specgen {stage}", *sys.argv[2:]]
     module.main()
 
 

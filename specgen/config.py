@@ -18,8 +18,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from specgen.assets import asset_path
 from specgen.errors import SpecgenError
-from specgen.runtime.reaper import guard_job
 from specgen.schema import KEYS, REFERENCE, closest_key, is_missing, settings, validate
+
+# Nothing imported above imports torch: `check_command_line` answers a config error or `--cfg job` in about a second
+# (tests/test_config.py checks it); torch, transformers and a stage's model code cost ~7 CPU-seconds to import.
 
 def _config_dirs() -> tuple[Path, Path]:
     """(configs, recipes): inside the package when installed from a wheel, else the checkout's top folders."""
@@ -143,6 +145,8 @@ def stage_main(config_name: str) -> Callable[[Callable[[DictConfig], object]], C
         def task(cfg: DictConfig) -> None:
             from transformers.utils import logging as hf_logging
 
+            from specgen.runtime.reaper import guard_job  # specgen.runtime imports torch: not before the job runs
+
             hf_logging.disable_progress_bar()  # per-file weight-loading bars drown our own progress bar
             guard_job()  # whatever ends this job ends the processes it starts (specgen.runtime.reaper)
             try:
@@ -155,16 +159,11 @@ def stage_main(config_name: str) -> Callable[[Callable[[DictConfig], object]], C
 
         @functools.wraps(run)
         def main() -> None:
+            check_command_line(config_name)
             user_args[:] = [arg for arg in sys.argv[1:] if not arg.startswith("-")]
             try:
-                shown = _cfg_job_overrides(sys.argv[1:])
-                if shown is not None:  # the config run(cfg) would get: embedded default applied, resolved, validated
-                    print(OmegaConf.to_yaml(compose(config_name, shown), resolve=True), end="")
-                    return
-                if not any(arg.startswith(("-", "hydra.")) for arg in sys.argv[1:]):
-                    compose(config_name, user_args)  # every config error in one line, before Hydra makes a run dir
                 sys.argv = [sys.argv[0], *_hydra_argv(sys.argv[1:], config_name)]
-            except SpecgenError as err:
+            except SpecgenError as err:  # a command line with Hydra's flags, which check_command_line leaves alone
                 print(f"error: {err}", file=sys.stderr)
                 sys.exit(2)
             task()
@@ -172,6 +171,31 @@ def stage_main(config_name: str) -> Callable[[Callable[[DictConfig], object]], C
         return main
 
     return decorate
+
+
+_CHECKED: set[tuple[str, ...]] = set()  # (stage, *argv) already checked in this process
+
+
+def check_command_line(stage: str) -> None:
+    """What `python -m specgen.<stage> ...` answers before the job: `--cfg job` prints the config `run(cfg)` would
+    get (embedded default applied, resolved, validated) and exits 0; a config error (an unknown key, a key of another
+    stage, a missing required key, a value the schema refuses) exits 2 with one line, before Hydra makes a run dir.
+    Each stage module calls it first when run as a script, before importing torch and its model code, so both take
+    about a second; `stage_main`'s entry point calls it again (a no-op for the same command line)."""
+    argv = sys.argv[1:]
+    if (stage, *argv) in _CHECKED:
+        return
+    try:
+        shown = _cfg_job_overrides(argv)
+        if shown is not None:
+            print(OmegaConf.to_yaml(compose(stage, shown), resolve=True), end="")
+            sys.exit(0)
+        if not any(arg.startswith(("-", "hydra.")) for arg in argv):  # Hydra's own flags go to Hydra
+            compose(stage, [arg for arg in argv if not arg.startswith("-")])
+    except SpecgenError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    _CHECKED.add((stage, *argv))
 
 
 def _cfg_job_overrides(argv: list[str]) -> list[str] | None:

@@ -27,6 +27,11 @@ prompts already there (a line cut by a kill is discarded) and ends with the same
 (except the wall-clock tokens/s); other settings in that output.dir are refused.
 """
 
+if __name__ == "__main__":  # a config error or `--cfg job` is answered before torch is imported (specgen.config)
+    from specgen.config import check_command_line
+
+    check_command_line("evaluate")
+
 import json
 import logging
 import os

@@ -5,6 +5,11 @@ in FORMAT (`specgen.draft.exports.FORMATS`): vllm (specgen.train's own), sglang,
 that cannot represent the draft (aux layer count, layer variant) refuses with a one-line error.
 """
 
+if __name__ == "__main__":  # a config error or `--cfg job` is answered before torch is imported (specgen.config)
+    from specgen.config import check_command_line
+
+    check_command_line("export")
+
 import logging
 from pathlib import Path
 

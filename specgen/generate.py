@@ -11,6 +11,11 @@ writing behind it (`specgen.pipeline`). The capture itself is `specgen.capture`:
 (`loading`), batches through it (`offline`), units to shards (`units`), the manifest and summary (`manifest`).
 """
 
+if __name__ == "__main__":  # a config error or `--cfg job` is answered before torch is imported (specgen.config)
+    from specgen.config import check_command_line
+
+    check_command_line("generate")
+
 import logging
 from collections.abc import Iterable, Iterator
 from contextlib import closing

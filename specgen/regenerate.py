@@ -15,6 +15,11 @@ is on disk. What the stage builds from its config is `specgen.regen.setup`; what
 `specgen.regen.manifest`.
 """
 
+if __name__ == "__main__":  # a config error or `--cfg job` is answered before torch is imported (specgen.config)
+    from specgen.config import check_command_line
+
+    check_command_line("regenerate")
+
 import logging
 from pathlib import Path
 

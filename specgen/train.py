@@ -12,6 +12,11 @@ loop. output.dir receives config.json + model.safetensors (the latest draft, ser
 TensorBoard logs and checkpoints/step-NNNNNN/ (written atomically; train.resume=true continues from the newest).
 """
 
+if __name__ == "__main__":  # a config error or `--cfg job` is answered before torch is imported (specgen.config)
+    from specgen.config import check_command_line
+
+    check_command_line("train")
+
 import logging
 import shutil
 import time

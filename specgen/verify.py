@@ -6,6 +6,11 @@ the plain Hugging Face forward (`output_hidden_states=True`) of the recorded tar
 of every captured tensor. Any failure is listed and the exit status is non-zero.
 """
 
+if __name__ == "__main__":  # a config error or `--cfg job` is answered before torch is imported (specgen.config)
+    from specgen.config import check_command_line
+
+    check_command_line("verify")
+
 import logging
 import random
 import sys

@@ -90,6 +90,33 @@ def test_cli_config_error_is_one_line_before_anything_loads(tmp_path):
     assert not out.exists()  # refused before Hydra made a run directory
 
 
+def imported_modules(stderr: str) -> set[str]:
+    """The modules a `python -X importtime` run imported, from its stderr."""
+    return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
+
+
+@pytest.mark.parametrize("stage", ["generate", "train", "evaluate", "verify", "regenerate", "export", "capture_server"])
+def test_a_config_error_is_answered_before_torch_is_imported(stage, tmp_path):
+    """A typo costs half a second, not the ~7 CPU-seconds of importing torch, transformers and the stage's code."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", f"specgen.{stage}", "data.max_lenght=5"],
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1].startswith("error: unknown config key data.max_lenght")
+    imported = imported_modules(proc.stderr)
+    assert "hydra" in imported and not imported & {"torch", "transformers"}
+
+
+def test_cfg_job_and_the_console_command_answer_before_torch_is_imported(tmp_path):
+    shown = subprocess.run([sys.executable, "-X", "importtime", "-m", "specgen.cli", "generate", "--cfg", "job",
+                            "data.max_rows=3"], cwd=tmp_path, capture_output=True, text=True)
+    assert shown.returncode == 0 and "max_rows: 3" in shown.stdout
+    refused = subprocess.run([sys.executable, "-X", "importtime", "-m", "specgen.cli", "train", "train.epoch=2"],
+                             cwd=tmp_path, capture_output=True, text=True)
+    assert refused.returncode == 2 and "error: unknown config key train.epoch" in refused.stderr
+    for proc in (shown, refused):
+        assert not imported_modules(proc.stderr) & {"torch", "transformers"}
+
+
 def test_recipe_from_a_users_file(tmp_path):
     recipe = tmp_path / "mine.yaml"
     recipe.write_text("# @package _global_\ndata:\n  max_length: 77\n")

@@ -1,8 +1,12 @@
 """What every stage needs to run, in one place: the device and CPU threads, the dtype of the target, the tokenizer and the tokens that end a turn
-(and, in `compat`, the transformers API differences between the versions specgen supports)."""
+(and, in `compat`, the transformers API differences between the versions specgen supports).
 
-from specgen.runtime.device import resolve_device, set_threads
-from specgen.runtime.dtype import DtypeChoice, resolve_model_dtype
-from specgen.runtime.tokenizer import load_tokenizer, stop_token_ids
+The names below are imported from their modules on first use (`specgen.lazy`): `specgen.runtime.reaper` runs before
+a job's config is checked, and importing it must not import torch."""
 
-__all__ = ["DtypeChoice", "load_tokenizer", "resolve_device", "resolve_model_dtype", "set_threads", "stop_token_ids"]
+from specgen.lazy import lazy_exports
+
+_WHERE = {"resolve_device": "device", "set_threads": "device", "DtypeChoice": "dtype", "resolve_model_dtype": "dtype",
+          "load_tokenizer": "tokenizer", "stop_token_ids": "tokenizer"}
+__getattr__ = lazy_exports(__name__, _WHERE)
+__all__ = sorted(_WHERE)

@@ -1,12 +1,13 @@
-"""Arrow shards: one row per sample, no padding, written atomically, read memory-mapped."""
+"""Arrow shards: one row per sample, no padding, written atomically, read memory-mapped.
 
-from specgen.store.manifest import (MANIFEST, merge_rejected, read_manifest, summarize_shards,
-                                    write_manifest)
-from specgen.store.reader import ShardDataset, open_shards
-from specgen.store.columns import ShardSpec, arrow_schema
-from specgen.store.writer import (ShardWriter, finished_shards, read_sidecar, remove_partial,
-                                  shard_name)
+The names below are imported from their modules on first use (`specgen.lazy`): `specgen.store.commit` (atomic
+writes, checksums) serves `specgen run` before any job, and importing it must not import torch."""
 
-__all__ = ["MANIFEST", "ShardDataset", "ShardSpec", "ShardWriter", "arrow_schema", "finished_shards",
-           "merge_rejected", "open_shards", "read_manifest", "read_sidecar", "remove_partial",
-           "shard_name", "summarize_shards", "write_manifest"]
+from specgen.lazy import lazy_exports
+
+_WHERE = {"MANIFEST": "manifest", "merge_rejected": "manifest", "read_manifest": "manifest",
+          "summarize_shards": "manifest", "write_manifest": "manifest", "ShardDataset": "reader", "open_shards": "reader",
+          "ShardSpec": "columns", "arrow_schema": "columns", "ShardWriter": "writer", "finished_shards": "writer",
+          "read_sidecar": "writer", "remove_partial": "writer", "shard_name": "writer"}
+__getattr__ = lazy_exports(__name__, _WHERE)
+__all__ = sorted(_WHERE)

@@ -106,14 +106,17 @@ def test_a_config_error_is_answered_before_torch_is_imported(stage, tmp_path):
     assert "hydra" in imported and not imported & {"torch", "transformers"}
 
 
-def test_cfg_job_and_the_console_command_answer_before_torch_is_imported(tmp_path):
+def test_cfg_job_the_console_command_and_specgen_run_answer_before_torch_is_imported(tmp_path):
     shown = subprocess.run([sys.executable, "-X", "importtime", "-m", "specgen.cli", "generate", "--cfg", "job",
                             "data.max_rows=3"], cwd=tmp_path, capture_output=True, text=True)
     assert shown.returncode == 0 and "max_rows: 3" in shown.stdout
     refused = subprocess.run([sys.executable, "-X", "importtime", "-m", "specgen.cli", "train", "train.epoch=2"],
                              cwd=tmp_path, capture_output=True, text=True)
     assert refused.returncode == 2 and "error: unknown config key train.epoch" in refused.stderr
-    for proc in (shown, refused):
+    run = subprocess.run([sys.executable, "-X", "importtime", "-m", "specgen.run", "recipe=demo",
+                          f"run.dir={tmp_path / 'r'}", "train.epoch=2"], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 2 and "train.epoch" in run.stderr.splitlines()[-1]  # specgen run: its orchestrator
+    for proc in (shown, refused, run):
         assert not imported_modules(proc.stderr) & {"torch", "transformers"}
 
 

@@ -23,6 +23,7 @@ from specgen.schema import KEYS, REFERENCE, closest_key, is_missing, settings, v
 # Nothing imported above imports torch: `check_command_line` answers a config error or `--cfg job` in about a second
 # (tests/test_config.py checks it); torch, transformers and a stage's model code cost ~7 CPU-seconds to import.
 
+
 def _config_dirs() -> tuple[Path, Path]:
     """(configs, recipes): inside the package when installed from a wheel, else the checkout's top folders."""
     packaged = Path(__file__).resolve().parent / "conf"
@@ -191,7 +192,7 @@ def check_command_line(stage: str) -> None:
             print(OmegaConf.to_yaml(compose(stage, shown), resolve=True), end="")
             sys.exit(0)
         if not any(arg.startswith(("-", "hydra.")) for arg in argv):  # Hydra's own flags go to Hydra
-            compose(stage, [arg for arg in argv if not arg.startswith("-")])
+            compose(stage, argv)
     except SpecgenError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

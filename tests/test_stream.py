@@ -286,6 +286,31 @@ def test_an_object_of_an_earlier_run_is_captured_again(tmp_path):
     assert "1 objects of an earlier run captured again" in source.report()
 
 
+def test_a_batch_withdrawn_while_its_object_is_written_is_not_left_behind(target, tmp_path):  # noqa: F811
+    """The race CI met: the run ends (spool.finish clears the folder) after the server checked that the request is
+    still wanted and before its put. The object must not stay in the folder once the server has exited."""
+    from specgen.capture import make_capture
+    from specgen.capture.target import load_target
+    from specgen.stream import CaptureServer, ServerSettings
+
+    spool, transport = Spool(tmp_path), FileTransport(tmp_path / OBJECTS)
+    spool.start_run({"identity": "run", "aux_layers": [0, 1, 2]})
+    spool.post("e0000-b0000000-r0000", {"input_ids": [[5, 6, 7, 8], [9, 10]], "pad_id": 0})
+    model = load_target(str(target), dtype="float32", device="cpu")
+    put = transport.put
+
+    def finish_then_put(name, tensors, meta):
+        spool.finish()  # the trainer's last step lands here
+        return put(name, tensors, meta)
+
+    transport.put = finish_then_put
+    server = CaptureServer(spool, transport, lambda run: make_capture(model, list(run["aux_layers"])),
+                           ServerSettings(poll_s=0.01, exit_when_done=True, idle_exit_s=30))
+    counts = server.serve()
+    assert counts["captured"] == 1 and spool.finished()  # it captured, then the run's end reached it
+    assert all(empty(tmp_path / sub) for sub in (REQUESTS, CLAIMS, OBJECTS))
+
+
 def test_a_put_whose_object_is_taken_at_once_still_returns_its_size(tmp_path, monkeypatch):
     """A trainer may take and delete an object the moment it appears: the server's put still succeeds and returns
     the size (a put that measured the published file after the rename raised FileNotFoundError in the server)."""

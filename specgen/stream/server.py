@@ -105,6 +105,10 @@ class CaptureServer:
                 self.transport.put(name, tensors, {"server": self.id, "run": identity})
                 self.counts["captured"] += 1
                 self.counts["tokens"] += int(tensors["lengths"].sum())
+                if self.spool.read_request(name) is None:
+                    # Withdrawn while it was written: the trainer took another server's copy, or the run ended and
+                    # cleared the folder between the check above and the put. Nobody will take it: not left behind.
+                    self.transport.delete(name)
         self.spool.release(name)
         self.claimed = None
 

@@ -2,10 +2,11 @@
 
 import errno
 import hashlib
+import os
 
 import pytest
 
-from specgen.store.commit import DiskFull, HashingFile, atomic_write, content_hash, write_json_atomic
+from specgen.store.commit import DiskFull, HashingFile, atomic_write, commit_file, content_hash, write_json_atomic
 
 
 def test_a_failed_write_keeps_the_old_content_and_leaves_no_temp_file(tmp_path):
@@ -44,3 +45,15 @@ def test_hashing_file_checksum_equals_the_files_hash(tmp_path, background):
         assert sink.tell() == 5 + 70_000 + 7 + len(large)
     expected = hashlib.sha256(b"a" * 5 + b"b" * 70_000 + b"3456789" + large).hexdigest()
     assert sink.hexdigest() == content_hash(path) == expected
+
+
+def test_committing_a_hard_link_to_the_file_already_in_place_leaves_no_temp_file(tmp_path):
+    """Publishing the same checkpoint twice links its file to `<name>.tmp` while `<name>` is already a link to it:
+    POSIX rename does nothing then, and the `.tmp` name must not be left beside the published file."""
+    source, path, tmp = tmp_path / "source", tmp_path / "model.safetensors", tmp_path / "model.safetensors.tmp"
+    source.write_bytes(b"weights")
+    os.link(source, path)
+    os.link(source, tmp)
+    commit_file(tmp, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "source"]
+    assert path.read_bytes() == b"weights"

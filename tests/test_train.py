@@ -514,6 +514,7 @@ def test_keep_best_publishes_the_best_probed_draft(shards, tmp_path, capsys):
     assert specgen_info(read_raw_config(ckpt))["step"] == best["step"]
     for name in ("model.safetensors", "config.json"):
         assert (ckpt / name).read_bytes() == (ckpt / "checkpoints" / "best" / name).read_bytes()
+    assert not list(ckpt.glob("*.tmp")), "publishing a draft twice left its temporary names in output.dir"
     summary = capsys.readouterr().out
     assert "kept draft" in summary and f"step {best['step']} of 12: heldout_accept_len_sim" in summary
 

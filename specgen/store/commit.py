@@ -174,10 +174,13 @@ def disk_errors(directory: str | Path, needed: Callable[[], int] | int):
 
 
 def commit_file(tmp: str | Path, path: str | Path) -> Path:
-    """Make the complete file `tmp` appear as `path`: fsync it, rename it into place, fsync the directory."""
+    """Make the complete file `tmp` appear as `path`: fsync it, rename it into place, fsync the directory. A `tmp`
+    that is a hard link to the file `path` already names is unlinked instead (POSIX rename leaves both names then)."""
     tmp, path = Path(tmp), Path(path)
     fsync_file(tmp)
     os.replace(tmp, path)
+    if os.path.lexists(tmp):  # `tmp` and `path` were links to one file: the rename did nothing
+        tmp.unlink()
     fsync_dir(path.parent)
     return path
 

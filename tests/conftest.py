@@ -197,3 +197,13 @@ def tiny_model(tmp_path):
         return build_tiny_model(arch, tmp_path / f"{arch}-model", **kwargs)
 
     return make
+
+
+def load_script(path: Path):
+    """Import a script outside the package (a benchmarks/*.py) as a module named after its file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

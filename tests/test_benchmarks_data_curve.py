@@ -1,22 +1,18 @@
 """benchmarks/data_curve.py, issue 42's curve: served_acceptance.py's results -> a table and a plot, one line per
 method and trainer; only served, lossless drafts at the K asked for make a point."""
 
-import importlib.util
 import json
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, load_script
 
 SCRIPT = REPO / "benchmarks" / "data_curve.py"
 
 
 @pytest.fixture(scope="module")
 def curve():
-    spec = importlib.util.spec_from_file_location("data_curve", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def served(folder, *rows):

@@ -1,7 +1,6 @@
 """benchmarks/gpu_limit.py, the one GPU benchmark command (issue 40): its FLOP counts, how it reads the stages'
 own figures, and its tiny CPU mode end to end (slow: five stage processes)."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,17 +8,14 @@ import sys
 import pytest
 import transformers
 
-from conftest import DATASETS, REPO, TOKENIZERS, require_shared
+from conftest import DATASETS, REPO, TOKENIZERS, load_script, require_shared
 
 SCRIPT = REPO / "benchmarks" / "gpu_limit.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("gpu_limit", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def test_the_8b_forward_costs_about_14_gflop_per_token(bench):

@@ -2,14 +2,13 @@
 generate and train step is one `python -m specgen.run` whose plan validates, and every later step reads the stage
 folder an earlier run writes. Nothing trains or generates here."""
 
-import importlib.util
 import json
 import shlex
 import subprocess
 import sys
 
 import pytest
-from conftest import BUNDLED_CHAT, REPO
+from conftest import BUNDLED_CHAT, REPO, load_script
 from omegaconf import OmegaConf
 
 from specgen.runner import make_plan
@@ -101,10 +100,7 @@ def test_every_data_and_train_step_is_a_specgen_run_that_reads_the_folder_an_ear
 @pytest.fixture()
 def levers(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("levers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def test_wall_seconds_of_a_specgen_run_come_from_its_stage_json(levers, tmp_path):

@@ -75,7 +75,7 @@ def _check_override_key(arg: str) -> None:
 def _recipe_name(name: str, out: list[str]) -> str:
     """The recipe group entry for `recipe=NAME` (bundled) or `recipe=PATH.yaml` (a user's file)."""
     path = Path(name).expanduser()
-    if name.endswith((".yaml", ".yml")) or path.parent != Path("."):
+    if _is_recipe_file(name):
         if not path.is_file():
             raise SpecgenError(f"recipe={name}: no such file; pass a bundled recipe name or a path to a .yaml file")
         # Hydra looks up group `recipes` in every search-path entry: expose the file's folder as that group.
@@ -85,6 +85,11 @@ def _recipe_name(name: str, out: list[str]) -> str:
         known = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
         raise SpecgenError(f"unknown recipe {name!r} (bundled: {known}); or pass a path: recipe=./my_recipe.yaml")
     return name
+
+
+def _is_recipe_file(name: str) -> bool:
+    """`recipe=` names a user's file (a .yaml name or a path), not a bundled recipe."""
+    return name.endswith((".yaml", ".yml")) or Path(name).expanduser().parent != Path(".")
 
 
 def _user_recipe_root(path: Path) -> Path:
@@ -105,11 +110,30 @@ EMBEDDED_ROW_CAP = {"generate": 300, "regenerate": 300, "train": None}
 EMBEDDED_MODEL, EMBEDDED_DATA = "tiny-target", "chat/train.jsonl"
 
 
+_JOB_RECIPE: str | None = None  # the recipe of the config `finalize` made last in this process (job_recipe)
+
+
 def finalize(cfg: DictConfig, stage: str, overrides: list[str]) -> DictConfig:
     """The embedded default where it applies, then the schema check: what every stage's `run` receives."""
+    global _JOB_RECIPE
     _apply_embedded_default(cfg, stage, overrides)
     validate(cfg, stage)
+    _JOB_RECIPE = _given_recipe(overrides)
     return cfg
+
+
+def job_recipe() -> str | None:
+    """The `recipe=` the config `finalize` made last in this process was composed with (None: no recipe): a bundled
+    recipe's name, a user's file as an absolute path, so that a command a stage prints for the next stage (and a
+    manifest recording it) names the same recipe from any folder."""
+    return _JOB_RECIPE
+
+
+def _given_recipe(overrides: list[str]) -> str | None:
+    names = [arg.split("=", 1)[1] for arg in overrides if arg.startswith("recipe=")]
+    if not names:
+        return None
+    return str(Path(names[-1]).expanduser().resolve()) if _is_recipe_file(names[-1]) else names[-1]
 
 
 def _unset(cfg: DictConfig, key: str) -> bool:

@@ -3,6 +3,7 @@ bad rows, resume after a kill, multi-process equality, reasoning split, and the 
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO, accelerate_launch, build_tiny_model
 from specgen.assets import ASSETS_DIR
-from specgen.config import compose
+from specgen.config import compose, job_recipe
 from specgen.data.formats import normalize
 from specgen.errors import SpecgenError
 from specgen.regen.reply import assistant_reply
@@ -744,6 +745,29 @@ def test_growing_equals_one_run_of_the_larger_size(grown, chat_model, capsys):
     again = regenerate(chat_model, source, out_dir, *grow_command("data.max_rows=null"))
     assert "extended" not in capsys.readouterr().out and again["extensions"] == everything["extensions"]
     assert [g["to_max_rows"] for g in again["extensions"]] == [8, None] and again["last_run"]["grown"] is None
+
+
+def test_the_next_command_names_the_recipe_the_run_used(chat_model, tmp_path, capsys):
+    """The summary's next command (generate on the new dataset) carries the run's recipe= (a user's file as an
+    absolute path), which the manifest records: generate composed from that command line gets the recipe's keys.
+    Without a recipe, neither names one."""
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("# @package _global_\ndata:\n  max_length: 333\n")
+    source = write_source(tmp_path / "chat.jsonl", CONVERSATIONS[:2])
+    capsys.readouterr()
+    manifest = regenerate(chat_model, source, tmp_path / "out", f"recipe={os.path.relpath(recipe)}")
+    assert manifest["recipe"] == str(recipe.resolve())
+    line = next(line for line in capsys.readouterr().out.splitlines() if "python -m specgen.generate" in line)
+    args = shlex.split(line.split("python -m specgen.generate", 1)[1])
+    assert args[0] == f"recipe={recipe.resolve()}"
+    cfg = compose("generate", args)
+    assert cfg.data.max_length == 333 and cfg.data.path == str(tmp_path / "out") and cfg.model.path == str(chat_model)
+
+    plain = regenerate(chat_model, source, tmp_path / "plain")
+    assert plain["recipe"] is None and job_recipe() is None
+    assert "recipe=" not in next(line for line in capsys.readouterr().out.splitlines() if "specgen.generate" in line)
+    compose("generate", ["recipe=demo"])
+    assert job_recipe() == "demo"  # a bundled recipe by its name
 
 
 def test_generate_reads_the_first_rows_of_a_grown_dataset(grown, chat_model, tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from specgen.config import to_container
+from specgen.config import job_recipe, to_container
 from specgen.progress import format_table
 from specgen.regen.grow import describe_growth, history_for_manifest
 from specgen.regen.parts import part_name, read_sidecar
@@ -64,6 +64,7 @@ def write_dataset_manifest(cfg: DictConfig, out_dir: Path, units: list[int], mod
         "generation": identity["generation"],
         "stats": stats,
         "config": to_container(cfg),
+        "recipe": job_recipe(),  # recipe=NAME of the run that wrote this manifest (None: none), for the next stage
         # each time a re-run with a larger data.max_rows grew the dataset (specgen.regen.grow), oldest first
         "extensions": extensions,
         # this process's new tokens and seconds (after the model loaded), the engine, and the growth it finished
@@ -109,6 +110,8 @@ def print_summary(manifest: dict, out_dir: Path, new_tokens: int, rows: int, sec
         ("throughput", f"{new_tokens / max(seconds, 1e-9):,.0f} new tokens/s, {rows / max(seconds, 1e-9):,.2f} "
                        f"rows/s in this process ({seconds:.1f}s)" if new_tokens else
                        "nothing left to generate: every part was already finished"),
-        ("next", " ".join([f"python -m specgen.generate model.path={manifest['model']['path']} data.path={out_dir}",
+        ("next", " ".join(["python -m specgen.generate",
+                           *([f"recipe={manifest['recipe']}"] if manifest.get("recipe") else []),
+                           f"model.path={manifest['model']['path']} data.path={out_dir}",
                            *([f"'data.chat_template_kwargs={{{template_overrides}}}'"] if template_overrides else [])])),
     ]))

@@ -266,6 +266,9 @@ def _check_value(name: str, value, spec: Key) -> None:
     elif OmegaConf.is_config(value):
         value = OmegaConf.to_container(value, resolve=True)
     _check_kind(name, value, spec.kind)
+    if value == "" or (isinstance(value, list | tuple) and "" in value):  # `key=$UNSET` in a shell script
+        raise SpecgenError(f"{name} is an empty string (an unset shell variable?): pass {name}=VALUE"
+                           + (" or null" if spec.nullable else ""))
     if spec.items and isinstance(value, list | tuple):
         for item in value:
             _check_kind(f"{name}[]", item, spec.items)

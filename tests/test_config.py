@@ -74,10 +74,13 @@ def test_embedded_default_caps_only_itself():
     ("output.shard_size=abc", "output.shard_size='abc' must be an int"),
     ("train.lr=0.1", "train.lr is not a key of specgen.generate"),
     ("data.path=/d.jsonl", "model.path is required by specgen.generate"),
+    ("output.dir=", "output.dir is an empty string (an unset shell variable?): pass output.dir=VALUE"),
+    ("model.path=/m data.path=[/d.jsonl,'']", "data.path is an empty string (an unset shell variable?): pass "
+                                             "data.path=VALUE or null"),
 ])
 def test_config_errors_name_the_key(override, message):
     with pytest.raises(SpecgenError, match=re.escape(message)):
-        compose("generate", [override])
+        compose("generate", override.split())
 
 
 def test_cli_config_error_is_one_line_before_anything_loads(tmp_path):

@@ -43,11 +43,10 @@ def draft_vocab(folder: Path) -> set[int]:
     return {int(token) for token in VocabMapping.from_d2t(d2t, sys.maxsize).draft_to_target}
 
 
-def rows(args) -> list[tuple[str, int, float]]:
+def rows(args, tokens: Counter) -> list[tuple[str, int, float]]:
     """(what, vocabulary size, share of the target's tokens covered), the drafts first, then the --sizes."""
     from specgen.draft.vocab import build_vocab_mapping, read_token_counts
 
-    tokens = target_tokens(args.served)
     found = []
     for folder in args.draft:
         vocab = draft_vocab(folder)
@@ -77,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.draft and not args.counts:
         parser.error("pass --draft or --counts")
-    print(table(rows(args), target_tokens(args.served)))
+    tokens = target_tokens(args.served)
+    print(table(rows(args, tokens), tokens))
 
 
 if __name__ == "__main__":

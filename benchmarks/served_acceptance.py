@@ -22,7 +22,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 REPLAY = REPO / "tests" / "vllm_replay.py"
-FLAGS = {"eagle3": [], "eagle3.1": [], "p-eagle": ["--parallel-drafting"], "dflash": ["--method", "dflash"]}
 
 
 def write_turns(target: str, prompts: str, out: Path) -> Path:
@@ -47,7 +46,7 @@ def method_of(draft: str) -> str:
 
 def replay(vllm_python: str, turns: Path, out: Path, target: str, max_new_tokens: int, *flags: str) -> dict:
     """tests/vllm_replay.py in vLLM's venv over `turns` (prompt_token_ids per line), the target alone or with the
-    draft that `flags` name (`--draft DIR --k K` and the method's FLAGS): vLLM's outputs, counters and tokens/s."""
+    draft that `flags` name (`--speculative-config JSON`): vLLM's outputs, counters and tokens/s."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
     done = subprocess.run([vllm_python, str(REPLAY), str(turns), str(out), "--target", str(target),
                            "--max-new-tokens", str(max_new_tokens), *flags],
@@ -58,6 +57,8 @@ def replay(vllm_python: str, turns: Path, out: Path, target: str, max_new_tokens
 
 
 def main() -> None:
+    from specgen.draft.exports import vllm_speculative_config
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", required=True)
     parser.add_argument("--drafts", nargs="+", required=True)
@@ -76,8 +77,9 @@ def main() -> None:
     for index, draft in enumerate(args.drafts):
         method = method_of(draft)
         for k in args.ks:
+            spec = vllm_speculative_config(method, draft, k)  # what specgen.train's summary tells users to serve with
             served = replay(args.vllm_python, turns, args.out / f"draft{index}-k{k}.json", args.target,
-                            args.max_new_tokens, "--draft", draft, "--k", str(k), *FLAGS[method])
+                            args.max_new_tokens, "--speculative-config", json.dumps(spec))
             rows.append({"draft": draft, "method": method, "k": k, "acceptance_length": served["acceptance_length"],
                          "per_position": served["acceptance_rate_per_position"],
                          "tokens_per_second": served["output_tokens_per_second"],

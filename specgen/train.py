@@ -126,7 +126,8 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
         fresh = not (resume or settings.draft.init)
         print_summary(out_dir, data, training.draft, training.trainer.state, metrics, time.perf_counter() - start,
                       describe(training.optimizer), settings.draft.vocab_source if fresh else "checkpoint",
-                      settings.draft.vocab_size if fresh else None, keep_best=settings.train.keep_best)
+                      settings.draft.vocab_size if fresh else None, keep_best=settings.train.keep_best,
+                      ttt_length=settings.train.ttt_length)
     return metrics
 
 

@@ -248,3 +248,25 @@ def test_export_writes_the_dflash_layout_and_refuses_eagle_formats(target_config
     with pytest.raises(SpecgenError, match="holds a dflash draft but draft.method=eagle3"):
         export(compose("export", [f"draft.path={tmp_path / 'ckpt'}", f"output.dir={tmp_path / 'y'}",
                                   "draft.method=eagle3"]))
+
+
+def test_evaluate_warns_when_k_exceeds_the_positions_the_block_trained(target_config, tmp_path, capsys):
+    """A block of 4 trains 3 draft positions: K=4 is evaluated (vLLM serves it too) with a warning naming the
+    untrained position, in the summary and eval.json; K=3 has none."""
+    from specgen.config import compose
+    from specgen.evaluate import run as evaluate
+
+    save_draft(tiny_draft(target_config, block_size=4), tmp_path / "ckpt", {"target": {"path": str(TARGET)}})
+    reports = {k: evaluate(compose("evaluate", ["recipe=demo", f"draft.path={tmp_path / 'ckpt'}",
+                                                f"evaluate.num_draft_tokens={k}", "evaluate.max_prompts=1",
+                                                "evaluate.max_new_tokens=6", f"output.dir={tmp_path / f'k{k}'}",
+                                                "runtime.progress=false", "runtime.threads=1"]))
+               for k in (3, 4)}
+    assert reports[3]["warnings"] == []
+    [warning] = reports[4]["warnings"]
+    assert warning.startswith("evaluate.num_draft_tokens=4 is more than the 3 draft positions this DFlash draft "
+                              "trained (block_size 4): position 4 is untrained; serve it with "
+                              "num_speculative_tokens <= 3")
+    assert json.loads((tmp_path / "k4" / "eval.json").read_text())["warnings"] == [warning]
+    assert warning in " ".join(capsys.readouterr().out.split())
+    assert reports[4]["matches_target_greedy"]  # evaluated all the same: still lossless

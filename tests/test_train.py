@@ -517,6 +517,10 @@ def test_keep_best_publishes_the_best_probed_draft(shards, tmp_path, capsys):
     assert not list(ckpt.glob("*.tmp")), "publishing a draft twice left its temporary names in output.dir"
     summary = capsys.readouterr().out
     assert "kept draft" in summary and f"step {best['step']} of 12: heldout_accept_len_sim" in summary
+    # the serve line: the vLLM speculative_config of this checkpoint, K = the TTT steps it trained (train.ttt_length=3)
+    spec = {"method": "eagle3", "model": str(ckpt.resolve()), "num_speculative_tokens": 3}
+    target = json.loads((shards / "manifest.json").read_text())["model"]["path"]
+    assert f"vLLM: LLM(model={json.dumps(target)}, speculative_config={json.dumps(spec)})" in summary
 
 
 def test_keep_best_keeps_an_earlier_draft_when_later_probes_score_lower(shards, tmp_path):

@@ -24,6 +24,8 @@ import pytest
 from conftest import vllm_replay
 from specgen.assets import ASSETS_DIR
 from specgen.config import compose
+from specgen.draft.exports import trained_draft_tokens, vllm_speculative_config
+from specgen.methods.dflash.serving import load_dflash
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -120,7 +122,12 @@ def replay(trained: dict, name: str, *args: str) -> dict:
 def test_vllm_serves_the_dflash_draft_as_trained(trained):
     report, samples = trained["report"], trained["samples"]
     assert report["lossless"] and report["matches_target_greedy"], report["lossless_line"]  # float32: exact
-    served = replay(trained, "dflash", "--draft", str(trained["draft"]), "--method", "dflash")
+    if trained["k"] == CONFIGS["bidirectional"][1]:  # served as specgen.train's summary says (K = block_size - 1)
+        spec = vllm_speculative_config("dflash", trained["draft"], trained["k"])
+        assert trained["k"] == trained_draft_tokens("dflash", load_dflash(trained["draft"]).config, ttt_length=0)
+        served = replay(trained, "dflash", "--speculative-config", json.dumps(spec))
+    else:
+        served = replay(trained, "dflash", "--draft", str(trained["draft"]), "--method", "dflash")
     specgen_outputs = [sample["output_token_ids"] for sample in samples]
     assert served["output_token_ids"] == specgen_outputs  # the target's greedy text (specgen checked it)
     if trained["root"].name == "bidirectional":  # and vLLM's own target-alone decoding, once

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import vllm_replay
 from specgen.config import compose
+from specgen.draft.exports import vllm_speculative_config
 from tests.test_vllm_serving import MAX_NEW_TOKENS, PROMPTS, QUIET, TARGET, K
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -82,8 +83,10 @@ def test_vllm_serves_peagle_with_parallel_drafting_as_evaluated(shards):
     from specgen.export import run as export
 
     run = trained(shards, "p-eagle")
-    served = replay(shards, "p-eagle", run["samples_path"], "--target", str(TARGET), "--draft", str(run["draft"]),
-                    "--parallel-drafting")
+    spec = vllm_speculative_config("p-eagle", run["draft"], K)  # what specgen.train's summary prints, at K
+    assert spec["parallel_drafting"] is True
+    served = replay(shards, "p-eagle", run["samples_path"], "--target", str(TARGET),
+                    "--speculative-config", json.dumps(spec))
     alone = target_alone(shards, run["samples_path"])
     assert_served_as_evaluated(served, alone, run)
     folder = shards / "peagle-speculators"

@@ -3,6 +3,8 @@
     python tests/vllm_replay.py SAMPLES_JSONL OUT_JSON --target DIR
                                 [--draft DIR [--parallel-drafting | --method dflash]] [--k 4] [--max-new-tokens N]
                                 [--in-process]
+    python tests/vllm_replay.py SAMPLES_JSONL OUT_JSON --target DIR --speculative-config JSON  # as given, e.g. what
+                                             # specgen.train's summary prints (specgen.draft.exports)
     python tests/vllm_replay.py SAMPLES_JSONL OUT_JSON --speculators DIR      # no method flag: vLLM reads the
                                                                              # speculators_config in DIR/config.json
 SAMPLES_JSONL is specgen.evaluate's samples.jsonl (prompt_token_ids per turn). OUT_JSON receives the output token ids
@@ -55,6 +57,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, required=True)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--parallel-drafting", action="store_true")  # P-EAGLE drafts: all K in one forward
+    parser.add_argument("--speculative-config", type=json.loads)  # the whole speculative_config, instead of the above
     parser.add_argument("--in-process", action="store_true")  # engine core and worker in this process
     return parser.parse_args(argv)
 
@@ -74,6 +77,8 @@ def replay(args: argparse.Namespace) -> None:
                 if args.draft else None)
         if spec and args.parallel_drafting:
             spec["parallel_drafting"] = True
+        if args.speculative_config:
+            spec = args.speculative_config
         llm = LLM(model=args.target, speculative_config=spec, **options)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     start = time.perf_counter()

@@ -58,6 +58,27 @@ _DROPPED = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.wei
 _SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config layout the export follows
 
 
+VLLM_METHODS = {"eagle3": "eagle3", "eagle3.1": "eagle3", "p-eagle": "eagle3", "dflash": "dflash"}  # -> vLLM's method
+
+
+def trained_draft_tokens(method: str, config: transformers.PretrainedConfig, ttt_length: int) -> int:
+    """How many draft positions a draft was trained to propose: DFlash's block less its bonus slot (block_size - 1),
+    every other method its TTT chain (train.ttt_length). DFlash asked for more drafts per round than that runs
+    blocks longer than any it trained (vLLM allows it; on SmolLM2 block 4 accepted less at K=5/7 than at K=3)."""
+    return int(config.block_size) - 1 if method == "dflash" else int(ttt_length)
+
+
+def vllm_speculative_config(method: str, path: str | Path, num_speculative_tokens: int) -> dict:
+    """The `speculative_config` with which vLLM 0.32 serves a draft of `method` as specgen.train wrote it (the vllm
+    format): `LLM(model=TARGET, speculative_config=...)`, or `vllm serve TARGET --speculative-config JSON`."""
+    if method not in VLLM_METHODS:
+        raise SpecgenError(f"no vLLM method for draft.method={method!r}; known: {list(VLLM_METHODS)}")
+    spec = {"method": VLLM_METHODS[method], "model": str(path), "num_speculative_tokens": int(num_speculative_tokens)}
+    if method == "p-eagle":
+        spec["parallel_drafting"] = True
+    return spec
+
+
 # ---------------------------------------------------------------- files
 
 def write_files(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:

@@ -1,9 +1,11 @@
 """The closing summary of a training run: checkpoint, data, draft, vocabulary coverage, figures of the last step."""
 
+import json
 from pathlib import Path
 
 from torch import nn
 
+from specgen.draft.exports import trained_draft_tokens, vllm_speculative_config
 from specgen.draft.vocab import VocabMapping
 from specgen.progress import format_table
 from specgen.stream import StreamBatches
@@ -31,9 +33,18 @@ def vocab_clipped(asked: int | None, draft: nn.Module) -> str:
     return f"; draft.vocab_size={asked:,} asked, only {got:,} distinct tokens seen, so {got:,} used"
 
 
+def serve_line(out_dir: Path, target: str, draft: nn.Module, ttt_length: int) -> str:
+    """How vLLM serves the checkpoint beside `target`, K = the draft positions it trained (`trained_draft_tokens`)."""
+    k = trained_draft_tokens(draft.method_name, draft.config, ttt_length)
+    spec = vllm_speculative_config(draft.method_name, Path(out_dir).resolve(), k)
+    trained = ("draft.dflash.block_size - 1" if draft.method_name == "dflash" else "train.ttt_length")
+    return (f"vLLM: LLM(model={json.dumps(target)}, speculative_config={json.dumps(spec)}) "
+            f"(K={k}: {trained}, the positions it trained)")
+
+
 def print_summary(out_dir: Path, data: TrainingData, draft: nn.Module, state: TrainerState, metrics: dict,
                    seconds: float, optimizer: str, vocab_source: str = "data", vocab_asked: int | None = None,
-                   keep_best: str | None = None) -> None:
+                   keep_best: str | None = None, *, ttt_length: int) -> None:
     accuracies = " ".join(f"{metrics[k]:.2f}" for k in sorted((k for k in metrics if k.startswith("acc_")),
                                                               key=lambda k: int(k.split("_")[1])))
     print(format_table([
@@ -66,5 +77,6 @@ def print_summary(out_dir: Path, data: TrainingData, draft: nn.Module, state: Tr
                           "checkpoints/best")] if keep_best and state.best_step else []),
         ("throughput", f"{metrics.get('tokens_per_s', 0):,.0f} tokens/s (last logging window)"),
         *([("stream", f"this process: {data.source.report()}")] if isinstance(data.source, StreamBatches) else []),
+        ("serve", serve_line(out_dir, data.target_path, draft, ttt_length)),
         ("metrics", str(out_dir / METRICS)),
     ]))

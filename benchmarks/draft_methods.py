@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from draft_quality import REPO, _python_env, acceptance, generate_shards  # noqa: E402
-from served_acceptance import FLAGS, replay  # noqa: E402
+from served_acceptance import draft_flags, replay  # noqa: E402
 
 TARGET = REPO / "specgen" / "assets" / "tiny-target"
 
@@ -58,7 +58,7 @@ def train_and_evaluate(method: str, seed: int, args) -> dict:
         counted = json.loads(done.stdout.strip().splitlines()[-1])
         result["acceptance"][str(k)] = counted["acceptance_length"]
         if args.vllm_python and seed in args.vllm_seeds:
-            served = serve(args, samples, "--draft", str(ckpt), "--k", str(k), *FLAGS[method])
+            served = serve(args, samples, *draft_flags(ckpt, k))
             result["vllm"][str(k)] = {"acceptance_length": served["acceptance_length"],
                                       "tokens_per_second": served["output_tokens_per_second"],
                                       "counts_equal": (served["num_drafts"], served["num_accepted_tokens"])

@@ -105,7 +105,7 @@ from pathlib import Path
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # this checkout's specgen, before an installed one
 from common import SHARED  # noqa: E402
 from draft_quality import REPO, _python_env, acceptance, speculators_command, speculators_missing  # noqa: E402
-from served_acceptance import FLAGS, method_of, replay, write_turns  # noqa: E402
+from served_acceptance import draft_flags, replay, write_turns  # noqa: E402
 
 from specgen.runner.plan import override_value  # noqa: E402
 from specgen.store.commit import write_json_atomic, write_text_atomic  # noqa: E402
@@ -537,16 +537,21 @@ def counted(args, name: str, k: int) -> dict | None:
     return result if result and result.get("settings") == served_settings(args) else None
 
 
+def served_flags(ckpt: Path, k: int) -> list[str]:
+    """vllm_replay's flags for the draft at K (`served_acceptance.draft_flags`); before the draft exists (a dry
+    run) the folder and K, which is what the plan can show."""
+    return draft_flags(ckpt, k) if is_draft(ckpt)() else ["--draft", str(ckpt), "--k", str(k)]
+
+
 def count(args, stages: Stages, name: str, ckpt: Path, fresh: bool) -> None:
     """--counter vllm: the draft served by vLLM's CPU build on every prompt's first turn at each K
     (eval/NAME/served-kK.json: vLLM's counters and outputs)."""
-    method = FLAGS[method_of(str(ckpt))] if is_draft(ckpt)() else []  # (no draft yet in a dry run)
     turns = args.out / "eval" / "turns.jsonl"
     for k in args.ks:
         out = args.out / "eval" / name / f"served-k{k}.json"
         if fresh:
             out.unlink(missing_ok=True)  # served from a draft since retrained
-        flags = ["--draft", str(ckpt), "--k", str(k), *method]
+        flags = served_flags(ckpt, k)
 
         def call(log: Path, out=out, flags=flags) -> None:
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -568,10 +573,9 @@ def serve(args, stages: Stages, lever: str, trainer: str, seed: int) -> None:
     """vLLM's CPU build on the turns specgen decoded for this draft, at each K (served_acceptance.replay)."""
     name = draft_name(lever, trainer, seed)
     ckpt, folder = draft_dir(args, lever, trainer, seed), args.out / "eval" / name
-    method = FLAGS[method_of(str(ckpt))] if is_draft(ckpt)() else []  # (no draft yet in a dry run)
     for k in args.ks:
         turns, out = folder / f"turns-k{k}.jsonl", folder / f"vllm-k{k}.json"
-        flags = ["--draft", str(ckpt), "--k", str(k), *method]
+        flags = served_flags(ckpt, k)
 
         def call(log: Path, turns=turns, out=out, flags=flags) -> None:
             try:

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # this checkout's specgen, before an installed one
-from served_acceptance import FLAGS, REPO, method_of, replay  # noqa: E402
+from served_acceptance import REPO, draft_flags, replay  # noqa: E402
 
 
 def evaluate(draft: str, target: str | None, prompts: str, dtype: str, k: int, args, out: Path) -> dict:
@@ -60,8 +60,7 @@ def main() -> None:
                        "largest": report["largest_near_tie_margin"], "line": report["lossless_line"], "vllm": None}
                 if use_vllm:
                     served = replay(args.vllm_python, out / "samples.jsonl", out / "vllm.json", report["target"],
-                                    args.max_new_tokens, "--draft", draft, "--k", str(k), "--dtype", dtype,
-                                    *FLAGS[method_of(draft)])
+                                    args.max_new_tokens, *draft_flags(draft, k), "--dtype", dtype)
                     row["vllm"] = served.get("acceptance_length")
                     outputs = [json.loads(line)["output_token_ids"] for line in open(out / "samples.jsonl")]
                     row["vllm_equal_outputs"] = sum(a == b for a, b in zip(served["output_token_ids"], outputs))

@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import DATA, TOKENIZER, build_model  # noqa: E402  (the benchmark model of benchmarks/generate.py)
+from generate import DATASETS, TOKENIZER, build_model  # noqa: E402  (the benchmark model of benchmarks/generate.py)
+
+DATA = DATASETS["fastchat"]  # the rows this benchmark has always run on (generate.py's DATA before its datasets)
 
 AUX_LAYERS = [1, 3, 4]
 RUNS = {

@@ -44,6 +44,14 @@ def method_of(draft: str) -> str:
     return method_of_config(json.loads((Path(draft) / "config.json").read_text()))
 
 
+def draft_flags(draft: str | Path, k: int) -> list[str]:
+    """tests/vllm_replay.py's flags serving `draft` at K with the speculative_config specgen.train's summary prints
+    (`specgen.draft.exports.vllm_speculative_config`: vLLM's method name, parallel_drafting for P-EAGLE)."""
+    from specgen.draft.exports import vllm_speculative_config
+
+    return ["--speculative-config", json.dumps(vllm_speculative_config(method_of(str(draft)), str(draft), k))]
+
+
 def replay(vllm_python: str, turns: Path, out: Path, target: str, max_new_tokens: int, *flags: str) -> dict:
     """tests/vllm_replay.py in vLLM's venv over `turns` (prompt_token_ids per line), the target alone or with the
     draft that `flags` name (`--speculative-config JSON`): vLLM's outputs, counters and tokens/s."""
@@ -57,8 +65,6 @@ def replay(vllm_python: str, turns: Path, out: Path, target: str, max_new_tokens
 
 
 def main() -> None:
-    from specgen.draft.exports import vllm_speculative_config
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", required=True)
     parser.add_argument("--drafts", nargs="+", required=True)
@@ -77,9 +83,8 @@ def main() -> None:
     for index, draft in enumerate(args.drafts):
         method = method_of(draft)
         for k in args.ks:
-            spec = vllm_speculative_config(method, draft, k)  # what specgen.train's summary tells users to serve with
             served = replay(args.vllm_python, turns, args.out / f"draft{index}-k{k}.json", args.target,
-                            args.max_new_tokens, "--speculative-config", json.dumps(spec))
+                            args.max_new_tokens, *draft_flags(draft, k))
             rows.append({"draft": draft, "method": method, "k": k, "acceptance_length": served["acceptance_length"],
                          "per_position": served["acceptance_rate_per_position"],
                          "tokens_per_second": served["output_tokens_per_second"],

@@ -119,3 +119,28 @@ def test_benchmarks_call_the_product():
                     "DraftTrainer", "DDPStrategy", "ZeroStrategy", "TTTObjective"):
                 problems.append(f"{path.name}:{node.lineno} builds {ast.unparse(node.func)} itself")
     assert not problems, "; ".join(problems)
+
+
+def test_benchmarks_import_only_names_their_siblings_define():
+    """`from served_acceptance import X` in a benchmark names something served_acceptance.py defines at top level
+    (a renamed helper otherwise breaks the scripts that share it, which only a run of each would show)."""
+    scripts = {path.stem: ast.parse(path.read_text()) for path in sorted((REPO / "benchmarks").glob("*.py"))}
+
+    def top_level(tree: ast.Module) -> set[str]:
+        names = set()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        return names
+
+    defined = {name: top_level(tree) for name, tree in scripts.items()}
+    missing = [f"{name}.py imports {node.module}.{alias.name}"
+               for name, tree in scripts.items() for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and node.module in scripts
+               for alias in node.names if alias.name not in defined[node.module]]
+    assert not missing, "; ".join(missing)

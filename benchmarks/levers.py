@@ -538,8 +538,8 @@ def counted(args, name: str, k: int) -> dict | None:
 
 
 def served_flags(ckpt: Path, k: int) -> list[str]:
-    """vllm_replay's flags for the draft at K (`served_acceptance.draft_flags`); before the draft exists (a dry
-    run) the folder and K, which is what the plan can show."""
+    """vllm_replay's flags for the draft at K (`served_acceptance.draft_flags`); before the draft exists (the plan of
+    a run that trains it) the folder and K, which is what the plan can show."""
     return draft_flags(ckpt, k) if is_draft(ckpt)() else ["--draft", str(ckpt), "--k", str(k)]
 
 
@@ -553,10 +553,10 @@ def count(args, stages: Stages, name: str, ckpt: Path, fresh: bool) -> None:
             out.unlink(missing_ok=True)  # served from a draft since retrained
         flags = served_flags(ckpt, k)
 
-        def call(log: Path, out=out, flags=flags) -> None:
+        def call(log: Path, out=out, k=k) -> None:  # flags read when it runs: the draft exists by then
             out.parent.mkdir(parents=True, exist_ok=True)
             try:
-                result = replay(args.vllm_python, turns, out, args.model, args.max_new_tokens, *flags)
+                result = replay(args.vllm_python, turns, out, args.model, args.max_new_tokens, *served_flags(ckpt, k))
             except SystemExit as error:
                 log.write_text(str(error))
                 raise Failed(f"count-{name} failed: {last_line(log)} [log: {log}]") from None
@@ -577,9 +577,9 @@ def serve(args, stages: Stages, lever: str, trainer: str, seed: int) -> None:
         turns, out = folder / f"turns-k{k}.jsonl", folder / f"vllm-k{k}.json"
         flags = served_flags(ckpt, k)
 
-        def call(log: Path, turns=turns, out=out, flags=flags) -> None:
+        def call(log: Path, turns=turns, out=out, k=k) -> None:  # flags read when it runs (the draft exists then)
             try:
-                replay(args.vllm_python, turns, out, args.model, args.max_new_tokens, *flags)
+                replay(args.vllm_python, turns, out, args.model, args.max_new_tokens, *served_flags(ckpt, k))
             except SystemExit as error:  # replay's message ends with vLLM's stderr
                 log.write_text(str(error))
                 raise Failed(f"vllm-{name}-k{k} failed: {last_line(log)} [log: {log}]") from None

@@ -46,7 +46,7 @@ from specgen.config import stage_main
 from specgen.data.prompts import Prompt, chat_prompt_ids, read_prompts
 from specgen.draft.aux import aux_layers_of
 from specgen.draft.checkpoint import load_draft, read_raw_config, specgen_info
-from specgen.draft.exports import trained_draft_tokens
+from specgen.draft.exports import dflash_block_positions
 from specgen.draft.lossless import diagnose, verdict
 from specgen.draft.speculative import Generation, TargetRunner, greedy_generate, replayed_greedy, speculative_generate
 from specgen.errors import SpecgenError
@@ -126,7 +126,7 @@ def _untrained_positions(draft, num_draft_tokens: int) -> str | None:
     longer than any it saw in training (on SmolLM2, block 4 accepted 1.455 / 1.442 at K=5 / 7 against 1.466 at 3)."""
     if draft.method_name != "dflash":
         return None
-    trained = trained_draft_tokens(draft.method_name, draft.config, ttt_length=0)
+    trained = dflash_block_positions(draft.config)
     if num_draft_tokens <= trained:
         return None
     untrained = (f"position {num_draft_tokens} is" if num_draft_tokens == trained + 1

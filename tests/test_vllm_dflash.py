@@ -24,7 +24,7 @@ import pytest
 from conftest import vllm_replay
 from specgen.assets import ASSETS_DIR
 from specgen.config import compose
-from specgen.draft.exports import trained_draft_tokens, vllm_speculative_config
+from specgen.draft.exports import dflash_block_positions, vllm_speculative_config
 from specgen.methods.dflash.serving import load_dflash
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -124,7 +124,7 @@ def test_vllm_serves_the_dflash_draft_as_trained(trained):
     assert report["lossless"] and report["matches_target_greedy"], report["lossless_line"]  # float32: exact
     if trained["k"] == CONFIGS["bidirectional"][1]:  # served as specgen.train's summary says (K = block_size - 1)
         spec = vllm_speculative_config("dflash", trained["draft"], trained["k"])
-        assert trained["k"] == trained_draft_tokens("dflash", load_dflash(trained["draft"]).config, ttt_length=0)
+        assert trained["k"] == dflash_block_positions(load_dflash(trained["draft"]).config)
         served = replay(trained, "dflash", "--speculative-config", json.dumps(spec))
     else:
         served = replay(trained, "dflash", "--draft", str(trained["draft"]), "--method", "dflash")

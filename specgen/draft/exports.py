@@ -62,10 +62,16 @@ VLLM_METHODS = {"eagle3": "eagle3", "eagle3.1": "eagle3", "p-eagle": "eagle3", "
 
 
 def trained_draft_tokens(method: str, config: transformers.PretrainedConfig, ttt_length: int) -> int:
-    """How many draft positions a draft was trained to propose: DFlash's block less its bonus slot (block_size - 1),
-    every other method its TTT chain (train.ttt_length). DFlash asked for more drafts per round than that runs
-    blocks longer than any it trained (vLLM allows it; on SmolLM2 block 4 accepted less at K=5/7 than at K=3)."""
-    return int(config.block_size) - 1 if method == "dflash" else int(ttt_length)
+    """How many draft positions a draft was trained to propose: DFlash's `dflash_block_positions`, every other
+    method its TTT chain (train.ttt_length)."""
+    return dflash_block_positions(config) if method == "dflash" else int(ttt_length)
+
+
+def dflash_block_positions(config: transformers.PretrainedConfig) -> int:
+    """The draft positions a DFlash draft trained: its block less the bonus slot (block_size - 1). Asked for more
+    drafts per round, it runs blocks longer than any it trained (vLLM allows it; on SmolLM2 block 4 accepted less at
+    K=5/7 than at K=3)."""
+    return int(config.block_size) - 1
 
 
 def vllm_speculative_config(method: str, path: str | Path, num_speculative_tokens: int) -> dict:

@@ -4,6 +4,7 @@ import atexit
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -61,6 +62,36 @@ def accelerate_launch(module: str, *args: str, processes: int = 2, machines: int
     if machines > 1:
         cmd += ["--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1"]
     return [*cmd, "-m", module, *args]
+
+
+
+def run_launched(cmd: list[str], *, timeout: float, env: dict | None = None, cwd: Path = REPO,
+                 stderr=subprocess.PIPE) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True)` for a launcher and the processes it starts, which
+    hang rather than fail when something goes wrong between them. Past `timeout` every process of the launch gets
+    SIGABRT, on which Python's faulthandler (PYTHONFAULTHANDLER=1) prints every thread's stack to stderr, then
+    SIGKILL; the test fails quoting those stacks, so a rare hang says where it hung."""
+    env = {**(env if env is not None else os.environ), "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for sig, grace in ((signal.SIGABRT, 10), (signal.SIGKILL, 30)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                out, err = proc.communicate(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        else:
+            out, err = "", ""
+        pytest.fail(f"{' '.join(map(str, cmd[:6]))} ... did not end within {timeout} s; the stacks of its processes "
+                    f"(SIGABRT):\n{(err or '')[-12000:]}\n{(out or '')[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 _REPLAYER: dict = {}  # this test process's `tests/vllm_replay.py --serve` (started by the first in-process replay)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import BUNDLED_CHAT, REPO, accelerate_launch, build_tiny_model
+from conftest import BUNDLED_CHAT, REPO, accelerate_launch, build_tiny_model, run_launched
 from specgen import open_shards
 from specgen.assets import ASSETS_DIR
 from specgen.config import compose
@@ -63,9 +63,9 @@ def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
 
 
 def launch(args: list[str], env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
-    proc = start(launch_cmd(args, **kwargs), env)
-    output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, output)
+    """The launch run to its end (stdout and stderr together, in `.stdout`)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return run_launched(launch_cmd(args, **kwargs), env=env, timeout=LAUNCH_TIMEOUT, stderr=subprocess.STDOUT)
 
 
 def worker_pids(launcher: int) -> dict[int, int]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, accelerate_launch, build_tiny_model
+from conftest import REPO, accelerate_launch, build_tiny_model, run_launched
 from specgen.assets import ASSETS_DIR
 from specgen.config import compose, job_recipe
 from specgen.data.formats import normalize
@@ -330,7 +330,7 @@ def test_two_processes_equal_one(chat_model, tmp_path):
     source = write_source(tmp_path / "source.jsonl", CONVERSATIONS, BAD_LINES)
     single = run(compose("regenerate", regenerate_command(chat_model, source, tmp_path / "single")))
     launch = accelerate_launch("specgen.regenerate", *regenerate_command(chat_model, source, tmp_path / "double"))
-    result = subprocess.run(launch, cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_launched(launch, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert part_files(tmp_path / "double") == part_files(tmp_path / "single")
     double = json.loads((tmp_path / "double" / "manifest.json").read_text())

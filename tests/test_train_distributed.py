@@ -5,14 +5,13 @@ process r the batches r, r+2, ..., which are exactly the pairs a single process 
 """
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import accelerate_launch
+from conftest import accelerate_launch, run_launched
 from specgen.assets import ASSETS_DIR
 from tests.test_train import QUICK, data_overrides, metrics, shards, target, train  # noqa: F401 (fixtures)
 
@@ -21,9 +20,7 @@ pytestmark = pytest.mark.slow
 
 def launch_two(overrides: list[str], cwd: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run(accelerate_launch("specgen.train", *QUICK, *overrides),
-                            cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
-                            timeout=600)
+    result = run_launched(accelerate_launch("specgen.train", *QUICK, *overrides), env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 

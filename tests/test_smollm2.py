@@ -203,6 +203,6 @@ def test_the_recipe_composes_for_every_stage_it_names(stage, overrides):
     if stage in ("regenerate", "generate", "evaluate"):
         assert cfg.model.dtype == "float32"
     if stage == "train":
-        assert (cfg.train.lr, cfg.train.ttt_length, cfg.draft.vocab_size) == (5e-3, 3, 16384)
+        assert (cfg.train.lr, cfg.train.ttt_length, cfg.draft.vocab_size) == (5e-3, 3, 8192)
     if stage == "regenerate":
         assert cfg.regenerate.on_truncated == "keep" and cfg.regenerate.on_loop == "drop"

@@ -64,7 +64,6 @@ def accelerate_launch(module: str, *args: str, processes: int = 2, machines: int
     return [*cmd, "-m", module, *args]
 
 
-
 def run_launched(cmd: list[str], *, timeout: float, env: dict | None = None, cwd: Path = REPO,
                  stderr=subprocess.PIPE) -> subprocess.CompletedProcess:
     """`subprocess.run(cmd, capture_output=True, text=True)` for a launcher and the processes it starts, which
@@ -77,21 +76,27 @@ def run_launched(cmd: list[str], *, timeout: float, env: dict | None = None, cwd
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        out, err = "", ""
         for sig, grace in ((signal.SIGABRT, 10), (signal.SIGKILL, 30)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
+            _signal_group(proc.pid, sig)
             try:
                 out, err = proc.communicate(timeout=grace)
                 break
             except subprocess.TimeoutExpired:
                 continue
-        else:
-            out, err = "", ""
         pytest.fail(f"{' '.join(map(str, cmd[:6]))} ... did not end within {timeout} s; the stacks of its processes "
                     f"(SIGABRT):\n{(err or '')[-12000:]}\n{(out or '')[-3000:]}")
+    except BaseException:  # its own session: a Ctrl-C of the tests does not reach it, so it ends here
+        _signal_group(proc.pid, signal.SIGKILL)
+        raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:  # every process of the group already ended
+        pass
 
 
 _REPLAYER: dict = {}  # this test process's `tests/vllm_replay.py --serve` (started by the first in-process replay)

@@ -57,15 +57,20 @@ def launch_cmd(args: list[str], **kwargs) -> list[str]:
     return accelerate_launch("specgen.generate", *args, **kwargs)
 
 
+def job_env(env: dict | None = None) -> dict:
+    """The launched job's environment: this one, this checkout's specgen first, and `env`."""
+    return {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+
+
 def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, cwd=REPO, env=job_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
 def launch(args: list[str], env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
     """The launch run to its end (stdout and stderr together, in `.stdout`)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return run_launched(launch_cmd(args, **kwargs), env=env, timeout=LAUNCH_TIMEOUT, stderr=subprocess.STDOUT)
+    return run_launched(launch_cmd(args, **kwargs), env=job_env(env), timeout=LAUNCH_TIMEOUT,
+                        stderr=subprocess.STDOUT)
 
 
 def worker_pids(launcher: int) -> dict[int, int]:

@@ -238,7 +238,7 @@ def test_two_trainer_processes_share_two_servers(target, tmp_path):  # noqa: F81
 
     stream, steps = tmp_path / "stream", ["train.max_steps=3", "train.schedule_steps=3"]
     servers = [start_server(stream, target, name) for name in ("a", "b")]
-    launch_two(disaggregated(stream, target, tmp_path / "two", *steps), tmp_path)
+    launch_two(disaggregated(stream, target, tmp_path / "two", *steps))
     train(["mode=online", f"model.path={target}", *data_overrides(), f"output.dir={tmp_path / 'one'}",
            "train.grad_accum=2", *steps])
     two, one = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")

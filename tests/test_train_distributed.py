@@ -5,7 +5,6 @@ process r the batches r, r+2, ..., which are exactly the pairs a single process 
 """
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from tests.test_train import QUICK, data_overrides, metrics, shards, target, tra
 pytestmark = pytest.mark.slow
 
 
-def launch_two(overrides: list[str], cwd: Path) -> None:
+def launch_two(overrides: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     result = run_launched(accelerate_launch("specgen.train", *QUICK, *overrides), env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -37,7 +36,7 @@ def test_two_processes_equal_one_process_accumulating(distributed, shards, tmp_p
     probe = ["train.log_every=2", "train.eval_every=1", f"train.eval_prompts={ASSETS_DIR / 'chat' / 'heldout.jsonl'}",
              "train.eval_max_prompts=2", "evaluate.max_new_tokens=8"]
     launch_two([f"data.shards={shards}", f"output.dir={tmp_path / 'two'}", f"distributed={distributed}", *steps,
-                *probe], tmp_path)
+                *probe])
     train([f"data.shards={shards}", f"output.dir={tmp_path / 'one'}", "train.grad_accum=2", *steps])
 
     two, one = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
@@ -53,7 +52,7 @@ def test_two_processes_equal_one_process_accumulating(distributed, shards, tmp_p
 @pytest.mark.parametrize("distributed", ["ddp", "zero2"])
 def test_two_processes_online(distributed, target, tmp_path):  # noqa: F811
     launch_two(["mode=online", f"model.path={target}", *data_overrides(), f"output.dir={tmp_path / 'ckpt'}",
-                f"distributed={distributed}", "train.max_steps=2", *optimizer_for(distributed)], tmp_path)
+                f"distributed={distributed}", "train.max_steps=2", *optimizer_for(distributed)])
     assert [line["step"] for line in metrics(tmp_path / "ckpt")] == [1, 2]
     assert (tmp_path / "ckpt" / "checkpoints" / "step-000002" / "training_state").is_dir()
 
@@ -62,12 +61,10 @@ def test_zero2_resume(shards, tmp_path):  # noqa: F811
     """ZeRO-2 partitions the optimizer state; resuming restores every partition. Both processes write their
     partitions into the step's staging folder, which the main process renames once all are written."""
     schedule = ["distributed=zero2", "train.schedule_steps=4", "train.epochs=3", *optimizer_for("zero2")]
-    launch_two([f"data.shards={shards}", f"output.dir={tmp_path / 'straight'}", "train.max_steps=4", *schedule],
-               tmp_path)
-    launch_two([f"data.shards={shards}", f"output.dir={tmp_path / 'pieces'}", "train.max_steps=2", *schedule],
-               tmp_path)
+    launch_two([f"data.shards={shards}", f"output.dir={tmp_path / 'straight'}", "train.max_steps=4", *schedule])
+    launch_two([f"data.shards={shards}", f"output.dir={tmp_path / 'pieces'}", "train.max_steps=2", *schedule])
     launch_two([f"data.shards={shards}", f"output.dir={tmp_path / 'pieces'}", "train.max_steps=4",
-                "train.resume=true", "train.save_every=1", *schedule], tmp_path)
+                "train.resume=true", "train.save_every=1", *schedule])
     checkpoints = tmp_path / "pieces" / "checkpoints"
     assert sorted(path.name for path in checkpoints.iterdir()) == ["latest", "step-000003", "step-000004"]
     partitions = {path.name for path in (checkpoints / "step-000004" / "training_state" / "deepspeed").iterdir()}

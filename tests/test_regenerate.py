@@ -358,6 +358,36 @@ def test_damaged_parts_are_named_when_read(greedy_run, tmp_path):
         list(iter_records(copy))
 
 
+def test_unfinished_output_reads_its_finished_parts_only(greedy_run, tmp_path, caplog):
+    """A regenerate output.dir read before its run finished (no manifest yet, the last part still being written)
+    gives the finished parts' rows, never a sidecar or the part in flight, and says so; a damaged part is named."""
+    import shutil
+
+    from specgen.data.sources import iter_records
+
+    _, out_dir, manifest = greedy_run
+    assert len(manifest["parts"]) >= 2
+    copy = shutil.copytree(out_dir, tmp_path / "copy")
+    (copy / "manifest.json").unlink()
+    last = copy / manifest["parts"][-1]
+    last.rename(last.with_name(last.name + ".tmp"))  # in flight: written to *.tmp, its sidecar already there
+    expected = [json.loads(line) for name in manifest["parts"][:-1]
+                for line in (out_dir / name).read_text().splitlines()]
+
+    with caplog.at_level("WARNING", logger="specgen.data.sources"):
+        records = list(iter_records(copy))
+    assert [r.error for r in records if r.error] == []
+    assert [r.record for r in records] == expected
+    assert f"reading its {len(manifest['parts']) - 1} finished parts" in caplog.text
+
+    first = copy / manifest["parts"][0]
+    data = bytearray(first.read_bytes())
+    data[len(data) // 2] ^= 1
+    first.write_bytes(bytes(data))
+    with pytest.raises(SpecgenError, match=f"{manifest['parts'][0]}: checksum mismatch"):
+        list(iter_records(copy))
+
+
 def test_output_feeds_generate(greedy_run, chat_model, tmp_path):
     from specgen import open_shards
     from specgen.generate import run as generate

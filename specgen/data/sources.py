@@ -12,6 +12,7 @@ carries a `RowError` instead of a record so the caller can reject that row and g
 
 import itertools
 import json
+import logging
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -22,13 +23,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specgen.errors import RowError, SpecgenError
-from specgen.store.commit import checksum_problems
+from specgen.store.commit import HASH_ALGORITHM, checksum_problems
 
 SUPPORTED = (".json (array or JSON lines), .jsonl, .parquet, a datasets save_to_disk folder, "
              "or a folder of such files")
 FILE_KINDS = ("json", "jsonl", "parquet")
 JSON_WHITESPACE = " \t\n\r"
 PARQUET_BATCH_ROWS = 1024
+log = logging.getLogger(__name__)
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the hub spells dataset repositories
 
 
@@ -72,7 +74,7 @@ def iter_records(path, *, chunk_size: int = 1 << 20, split: str = "train",
     path = Path(path)
     kind = _source_kind(path)
     if kind == "folder":
-        return _folder_records(_folder_files(path), chunk_size)
+        return _folder_records(_folder_files(path, warn=True), chunk_size)
     return _file_records(path, kind, chunk_size)
 
 
@@ -86,25 +88,50 @@ def _file_records(path: Path, kind: str, chunk_size: int) -> Iterator[SourceReco
     return _saved_dataset_records(_load_saved_dataset(path))
 
 
-def _folder_files(path: Path) -> list[Path]:
+def _folder_files(path: Path, *, warn: bool = False) -> list[Path]:
     """The data files of a folder source, in read order.
 
     A folder with a `manifest.json` listing `parts` (what `specgen.regenerate` writes) is read exactly as listed, so
     its sidecars, manifest and rejected rows are not taken for data, after checking the parts against the manifest's
-    checksums; otherwise every data file (hidden files aside), in name order.
+    checksums. A `specgen.regenerate` output.dir without its manifest yet (a run still going, or stopped) gives its
+    finished parts, checked against their sidecars (`warn`: and says so). Otherwise every data file (hidden files
+    aside), in name order.
     """
     manifest = path / "manifest.json"
     if manifest.exists():
         recorded = json.loads(manifest.read_text())
         if recorded.get("parts") is not None:
-            files = {name: path / name for name in recorded["parts"]}
-            damaged = checksum_problems(files, recorded.get("checksums") or {})
-            if damaged:
-                raise SpecgenError(f"{path} has damaged parts: {'; '.join(damaged)}; delete them and re-run "
-                                   "specgen.regenerate with the same output.dir to regenerate them")
-            return list(files.values())
+            return _checked_parts(path, {name: path / name for name in recorded["parts"]},
+                                  recorded.get("checksums") or {})
+    elif (finished := _finished_regeneration_parts(path)) is not None:
+        if warn:
+            log.warning("%s is an unfinished specgen.regenerate output (no manifest.json yet): reading its %d "
+                        "finished parts (%s to %s) only; re-run specgen.regenerate with the same output.dir to "
+                        "finish it", path, len(finished), finished[0].name, finished[-1].name)
+        return finished
     return sorted(p for p in path.iterdir()
                   if p.is_file() and not p.name.startswith(".") and p.suffix.lower().lstrip(".") in FILE_KINDS)
+
+
+def _finished_regeneration_parts(path: Path) -> list[Path] | None:
+    """The finished parts (a part and its sidecar) of a `specgen.regenerate` output.dir, in unit order, checked
+    against the sidecars' checksums; None when the folder holds none. A part being written (`*.tmp`) is not one."""
+    from specgen.regen.parts import finished_parts, read_sidecar  # at call time: specgen.regen imports this module
+
+    parts = finished_parts(path)
+    if not parts:
+        return None
+    checksums = {part.name: read_sidecar(path, unit).get("checksum", {}).get(HASH_ALGORITHM)
+                 for unit, part in parts.items()}
+    return _checked_parts(path, {part.name: part for part in parts.values()}, checksums)
+
+
+def _checked_parts(path: Path, files: dict[str, Path], checksums: dict[str, str | None]) -> list[Path]:
+    damaged = checksum_problems(files, checksums)
+    if damaged:
+        raise SpecgenError(f"{path} has damaged parts: {'; '.join(damaged)}; delete them and re-run "
+                           "specgen.regenerate with the same output.dir to regenerate them")
+    return list(files.values())
 
 
 def _folder_records(files: list[Path], chunk_size: int) -> Iterator[SourceRecord]:

@@ -358,6 +358,31 @@ def test_damaged_parts_are_named_when_read(greedy_run, tmp_path):
         list(iter_records(copy))
 
 
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_read_hashes_each_part_once(greedy_run, tmp_path, monkeypatch, finished):
+    """Reading a regenerate output as a source (kind check, row count for the ETA, the rows) hashes each part once,
+    with its manifest or (unfinished) from the sidecars."""
+    import shutil
+
+    import specgen.data.sources as sources
+
+    _, out_dir, manifest = greedy_run
+    copy = shutil.copytree(out_dir, tmp_path / "copy")
+    if not finished:
+        (copy / "manifest.json").unlink()
+    hashed = []
+
+    def counting(files, checksums):
+        hashed.extend(files)
+        return checksum_problems(files, checksums)
+
+    checksum_problems = sources.checksum_problems
+    monkeypatch.setattr(sources, "checksum_problems", counting)
+    source = sources.capped_source(copy, None)
+    assert source.file_rows == len(list(source.records))
+    assert sorted(hashed) == sorted(manifest["parts"])
+
+
 def test_unfinished_output_reads_its_finished_parts_only(greedy_run, tmp_path, caplog):
     """A regenerate output.dir read before its run finished (no manifest yet, the last part still being written)
     gives the finished parts' rows, never a sidecar or the part in flight, and says so; a damaged part is named."""

@@ -88,22 +88,23 @@ def _file_records(path: Path, kind: str, chunk_size: int) -> Iterator[SourceReco
     return _saved_dataset_records(_load_saved_dataset(path))
 
 
-def _folder_files(path: Path, *, warn: bool = False) -> list[Path]:
+def _folder_files(path: Path, *, check: bool = True, warn: bool = False) -> list[Path]:
     """The data files of a folder source, in read order.
 
     A folder with a `manifest.json` listing `parts` (what `specgen.regenerate` writes) is read exactly as listed, so
     its sidecars, manifest and rejected rows are not taken for data, after checking the parts against the manifest's
     checksums. A `specgen.regenerate` output.dir without its manifest yet (a run still going, or stopped) gives its
     finished parts, checked against their sidecars (`warn`: and says so). Otherwise every data file (hidden files
-    aside), in name order.
+    aside), in name order. `check=False` lists the same files without hashing them (for a kind check or a count:
+    the read that follows checks them once).
     """
     manifest = path / "manifest.json"
     if manifest.exists():
         recorded = json.loads(manifest.read_text())
         if recorded.get("parts") is not None:
-            return _checked_parts(path, {name: path / name for name in recorded["parts"]},
-                                  recorded.get("checksums") or {})
-    elif (finished := _finished_regeneration_parts(path)) is not None:
+            files = {name: path / name for name in recorded["parts"]}
+            return _checked_parts(path, files, recorded.get("checksums") or {}) if check else list(files.values())
+    elif (finished := _finished_regeneration_parts(path, check)) is not None:
         if warn:
             log.warning("%s is an unfinished specgen.regenerate output (no manifest.json yet): reading its %d "
                         "finished parts (%s to %s) only; re-run specgen.regenerate with the same output.dir to "
@@ -113,14 +114,17 @@ def _folder_files(path: Path, *, warn: bool = False) -> list[Path]:
                   if p.is_file() and not p.name.startswith(".") and p.suffix.lower().lstrip(".") in FILE_KINDS)
 
 
-def _finished_regeneration_parts(path: Path) -> list[Path] | None:
+def _finished_regeneration_parts(path: Path, check: bool = True) -> list[Path] | None:
     """The finished parts (a part and its sidecar) of a `specgen.regenerate` output.dir, in unit order, checked
-    against the sidecars' checksums; None when the folder holds none. A part being written (`*.tmp`) is not one."""
+    against the sidecars' checksums (when `check`); None when the folder holds none. A part being written (`*.tmp`)
+    is not one."""
     from specgen.regen.parts import finished_parts, read_sidecar  # at call time: specgen.regen imports this module
 
     parts = finished_parts(path)
     if not parts:
         return None
+    if not check:
+        return list(parts.values())
     checksums = {part.name: read_sidecar(path, unit).get("checksum", {}).get(HASH_ALGORITHM)
                  for unit, part in parts.items()}
     return _checked_parts(path, {part.name: part for part in parts.values()}, checksums)
@@ -168,7 +172,7 @@ def count_records(path, *, split: str = "train", subset: str | None = None) -> i
     path = Path(path)
     kind = _source_kind(path)
     if kind == "folder":
-        counts = [count_records(file) for file in _folder_files(path)]
+        counts = [count_records(file) for file in _folder_files(path, check=False)]
         return None if None in counts else sum(counts)
     if kind == "json" and _starts_with_array(path):
         try:
@@ -190,7 +194,7 @@ def _source_kind(path: Path) -> str:
     if path.is_dir():
         if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
             return "saved_dataset"
-        if _folder_files(path):
+        if _folder_files(path, check=False):
             return "folder"
         raise SpecgenError(f"data.path {path} is a folder with neither a datasets save_to_disk layout "
                            f"(state.json) nor .json/.jsonl/.parquet files; point it at a {SUPPORTED}")

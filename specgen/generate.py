@@ -40,7 +40,7 @@ from specgen.ranks.monitor import JobMonitor, PeerFailure
 from specgen.runtime import load_tokenizer, resolve_device, resolve_model_dtype, set_threads
 from specgen.schema import settings
 from specgen.store.manifest import merge_rejected, write_manifest
-from specgen.store.writer import finished_shards, remove_partial
+from specgen.store.writer import finished_shards, remove_partial, sidecar_name
 
 log = logging.getLogger("specgen.generate")
 
@@ -56,19 +56,20 @@ def run(cfg: DictConfig) -> dict | None:
 def generate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease) -> dict | None:
     """The job once its main process holds the lease on `out_dir` (`lease.check()` before each commit)."""
     device = workers.device
+    source = capped_source(cfg.data.path, cfg.data.max_rows, split=cfg.data.split, subset=cfg.data.subset)
     tokenizer = load_tokenizer(cfg.tokenizer.path)
     chat = ChatTemplateTokenizer.from_settings(tokenizer, settings(cfg, "data"))
     dtype = resolve_model_dtype(cfg.model.dtype, device, cfg.model.path)
     cfg.model.dtype = dtype.name  # one concrete dtype for every loader (hf, deepspeed, vllm) and the manifest
     target = load_capture(cfg, tokenizer, device)
     identity = dataset_identity(cfg, config_hash(target.capture.model), chat_template_sha256(tokenizer), target)
-    done = claim_for_job(cfg, out_dir, identity, workers, finished=finished_shards, remove_partial=remove_partial)
+    done = claim_for_job(cfg, out_dir, identity, workers, finished=finished_shards, remove_partial=remove_partial,
+                         sidecar_name=sidecar_name, source_rows=source.expected_rows)
     if cfg.capture.count_target_tokens and not counts_top_tokens(cfg, target):
         log.warning("capture.count_target_tokens: the target's LM head is not whole in this process (engine=%s), so "
                     "target_token_counts.json is not written; draft.vocab_source=target needs engine=hf",
                     cfg.engine.name)
 
-    source = capped_source(cfg.data.path, cfg.data.max_rows, split=cfg.data.split, subset=cfg.data.subset)
     monitor = JobMonitor(workers, source.expected_rows, enabled=cfg.runtime.progress,
                          heartbeat_s=cfg.pipeline.heartbeat_s)
     claims = UnitClaims(out_dir, workers.rank, workers.world_size)

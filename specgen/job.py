@@ -4,6 +4,7 @@
                         (`specgen.store.lease`: another live job there is refused in one line)
     claim_for_job       the main process claims output.dir (`specgen.outdir`: one configuration per directory) and
                         clears a killed run's leftovers; every process learns which units are already finished
+    reopen_grown_units  a finished short last unit whose source has grown since is redone; a shrunk source refused
     claimed_units       the source in units of `output.shard_size` rows; each process takes the next unfinished
                         unit whenever it is ready for one (`specgen.ranks.claims`), so nobody waits for a slower one
 
@@ -11,6 +12,7 @@ A stage turns each claimed unit into one file committed atomically (a shard, a p
 commit, and has its main process write the manifest last, once every unit is on disk.
 """
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -24,6 +26,7 @@ from specgen.errors import SpecgenError
 from specgen.outdir import claim_output_dir, fingerprint
 from specgen.ranks import Workers, init_workers
 from specgen.ranks.claims import UnitClaims, clear_claims
+from specgen.store.commit import fsync_dir
 from specgen.store.lease import hold_job_lease
 
 log = logging.getLogger("specgen.job")
@@ -64,12 +67,15 @@ def run_job(cfg: DictConfig, stage: str, job: Callable[[Path, Workers, object], 
 
 
 def claim_for_job(cfg: DictConfig, out_dir: Path, identity: dict, workers: Workers, *,
-                  finished: Callable[[Path], Iterable[int]], remove_partial: Callable[[Path], object],
+                  finished: Callable[[Path], dict[int, Path]], remove_partial: Callable[[Path], object],
+                  sidecar_name: Callable[[int], str], source_rows: int | None,
                   before_claim: Callable[[Path], object] | None = None) -> set[int]:
     """The main process claims output.dir and clears a killed run's leftovers (`remove_partial`); every process then
-    returns the finished units (`finished`). Also checks that every process was launched with the same dataset
-    configuration. `before_claim(out_dir)`: the main process's step before the claim, under the lease (regenerate
-    grows a dataset there, `specgen.regen.grow`); its `SpecgenError` stops every process."""
+    returns the finished units (`finished`: unit -> its file; `sidecar_name(unit)`: its sidecar). Also checks that
+    every process was launched with the same dataset configuration, and that the finished units still match the
+    source (`source_rows`: the rows this run reads, `reopen_grown_units`). `before_claim(out_dir)`: the main
+    process's step before the claim, under the lease (regenerate grows a dataset there, `specgen.regen.grow`); its
+    `SpecgenError` stops every process."""
     problem = None
     if workers.is_main:
         try:
@@ -78,6 +84,8 @@ def claim_for_job(cfg: DictConfig, out_dir: Path, identity: dict, workers: Worke
             if claim_output_dir(out_dir, identity, overwrite=cfg.output.overwrite):
                 log.info("resuming in %s", out_dir)
             remove_partial(out_dir)
+            reopen_grown_units(out_dir, finished(out_dir), sidecar_name, shard_size=cfg.output.shard_size,
+                               source_rows=source_rows)
             clear_claims(out_dir)  # an earlier job's claims: its unfinished units are anyone's again
         except SpecgenError as error:
             problem = str(error)
@@ -92,6 +100,39 @@ def claim_for_job(cfg: DictConfig, out_dir: Path, identity: dict, workers: Worke
     if done:
         log.info("%d units already finished in %s", len(done), out_dir)
     return done
+
+
+def reopen_grown_units(out_dir: Path, units: dict[int, Path], sidecar_name: Callable[[int], str], *,
+                       shard_size: int, source_rows: int | None) -> list[int]:
+    """Main process, before the claim: compare each finished unit's source rows (its sidecar's stats.source_rows)
+    with the rows the source gives that unit now (unit k holds rows [k*S, (k+1)*S) of the `source_rows` this run
+    reads; None: unknown, nothing is checked), and return the units made unfinished again.
+
+    A short last unit whose source has grown since (rows appended to data.path, or a larger data.max_rows) is
+    removed, sidecar first, so the run redoes it with its full rows: the result is what a run on the grown source
+    makes from scratch. A unit the source now gives fewer rows, or none, is refused in one line: the source shrank or
+    changed, and the folder's units no longer describe it."""
+    if source_rows is None:
+        return []
+    reopened = []
+    for unit, path in sorted(units.items()):
+        sidecar = out_dir / sidecar_name(unit)
+        held = json.loads(sidecar.read_text())["stats"]["source_rows"]
+        now = max(0, min(shard_size, source_rows - unit * shard_size))
+        if held > now:
+            raise SpecgenError(
+                f"output.dir={out_dir} holds unit {unit} ({path.name}) made from {held:,} source rows, but data.path now "
+                f"gives it {now:,} (the source shrank or changed since); pass output.overwrite=true to start again, or "
+                "pick another output.dir")
+        if held < now:
+            log.warning("data.path has grown since unit %d (%s) was made from %d source rows: it now gives %d, so the "
+                        "unit is redone with them", unit, path.name, held, now)
+            sidecar.unlink()
+            path.unlink()
+            reopened.append(unit)
+    if reopened:
+        fsync_dir(out_dir)
+    return reopened
 
 
 def claimed_units(records: Iterable[SourceRecord], shard_size: int, done: set[int], claims: UnitClaims, *,

@@ -36,7 +36,7 @@ from specgen.ranks import Workers
 from specgen.ranks.claims import UnitClaims, clear_claims
 from specgen.regen.grow import describe_growth, grow_if_asked
 from specgen.regen.manifest import dataset_identity, print_summary, write_dataset_manifest
-from specgen.regen.parts import finished_parts, remove_partial, write_part
+from specgen.regen.parts import finished_parts, remove_partial, sidecar_name, write_part
 from specgen.regen.setup import build_regenerator, generation_settings, load_model, unit_seed
 from specgen.regen.turns import ConversationRegenerator
 from specgen.runtime import load_tokenizer, resolve_model_dtype
@@ -63,6 +63,7 @@ def regenerate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease, sou
     identity = dataset_identity(cfg, config_hash(model), chat_template_sha256(tokenizer),
                                 generation_settings(cfg, regenerator), str(model.dtype).removeprefix("torch."))
     done = claim_for_job(cfg, out_dir, identity, workers, finished=finished_parts, remove_partial=remove_partial,
+                         sidecar_name=sidecar_name, source_rows=source.expected_rows,
                          before_claim=lambda out: grow_if_asked(
                              out, identity, shard_size=cfg.output.shard_size, file_rows=source.file_rows,
                              sources=len(source_paths(cfg.data.path)), overwrite=cfg.output.overwrite))

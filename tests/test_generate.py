@@ -216,6 +216,31 @@ def test_changed_config_is_an_error_unless_overwrite(small_target, tmp_path):
     generate(small_target, tmp_path / "out", "capture.aux_layers=[1,2]", "capture.batch_tokens=64")
 
 
+def test_a_grown_source_resumes_to_the_run_on_all_of_it_and_a_shrunk_one_is_refused(small_target, tmp_path, caplog):
+    """Rows appended to data.path between runs: the re-run redoes the short last unit with its full rows and adds
+    the new units, giving what a run on the grown source makes from scratch (without the check, the short unit's
+    new rows were silently missing). A source that lost rows since is refused, naming the unit."""
+    lines = BUNDLED_CHAT.read_text().splitlines(keepends=True)
+    source = tmp_path / "source.jsonl"
+    source.write_text("".join(lines[:20]))  # units of 8 rows: 8, 8, 4
+    grown = (f"data.path={source}", "data.max_rows=null", "capture.batch_tokens=256")
+    first = generate(small_target, tmp_path / "out", *grown)
+    assert first["stats"]["source_rows"] == 20
+    source.write_text("".join(lines[:28]))  # 8, 8, 8, 4
+    reference = generate(small_target, tmp_path / "reference", *grown)
+    with caplog.at_level("WARNING", logger="specgen.job"):
+        resumed = generate(small_target, tmp_path / "out", *grown)
+    assert "data.path has grown since unit 2 (shard-00002.arrow) was made from 4 source rows: it now gives 8" \
+        in caplog.text
+    assert resumed["stats"] == reference["stats"] and resumed["stats"]["source_rows"] == 28
+    assert_same_rows(tmp_path / "out", tmp_path / "reference")
+
+    source.write_text("".join(lines[:12]))
+    with pytest.raises(SpecgenError, match=r"holds unit 1 \(shard-00001.arrow\) made from 8 source rows, but "
+                                           r"data.path now gives it 4 \(the source shrank"):
+        generate(small_target, tmp_path / "out", *grown)
+
+
 @pytest.mark.parametrize("override, key", [
     ("model.attn_implementation=eager", "model.attn_implementation"),
     ("model.dtype=bfloat16", "model.dtype"),

@@ -802,6 +802,21 @@ def test_growing_equals_one_run_of_the_larger_size(grown, chat_model, capsys):
     assert [g["to_max_rows"] for g in again["extensions"]] == [8, None] and again["last_run"]["grown"] is None
 
 
+def test_rows_appended_to_the_source_grow_the_dataset_as_one_run(grown, chat_model, tmp_path, caplog):
+    """data.max_rows=null over a source that has grown since the last run: the short last part is redone with its
+    full rows and the new ones added, part for part what one run over the larger source makes."""
+    source, once_dir, _, _ = grown
+    rows = [json.loads(line) for line in source.read_text().splitlines()][:8]
+    growing = write_source(tmp_path / "source.jsonl", rows[:4])  # parts of 3 rows: 3, 1
+    regenerate(chat_model, growing, tmp_path / "out", *grow_command("data.max_rows=null"))
+    write_source(growing, rows)  # 3, 3, 2
+    with caplog.at_level("WARNING", logger="specgen.job"):
+        manifest = regenerate(chat_model, growing, tmp_path / "out", *grow_command("data.max_rows=null"))
+    assert "unit 1 (part-00001.jsonl) was made from 1 source rows: it now gives 3" in caplog.text
+    assert manifest["stats"]["source_rows"] == 8
+    assert part_files(tmp_path / "out") == part_files(once_dir)
+
+
 def test_the_next_command_names_the_recipe_the_run_used(chat_model, tmp_path, capsys):
     """The summary's next command (generate on the new dataset) carries the run's recipe= (a user's file as an
     absolute path), which the manifest records: generate composed from that command line gets the recipe's keys.

@@ -12,7 +12,6 @@ A stage turns each claimed unit into one file committed atomically (a shard, a p
 commit, and has its main process write the manifest last, once every unit is on disk.
 """
 
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -26,7 +25,7 @@ from specgen.errors import SpecgenError
 from specgen.outdir import claim_output_dir, fingerprint
 from specgen.ranks import Workers, init_workers
 from specgen.ranks.claims import UnitClaims, clear_claims
-from specgen.store.commit import fsync_dir
+from specgen.store.commit import fsync_dir, read_unit_sidecar
 from specgen.store.lease import hold_job_lease
 
 log = logging.getLogger("specgen.job")
@@ -117,7 +116,7 @@ def reopen_grown_units(out_dir: Path, units: dict[int, Path], sidecar_name: Call
     reopened = []
     for unit, path in sorted(units.items()):
         sidecar = out_dir / sidecar_name(unit)
-        held = json.loads(sidecar.read_text())["stats"]["source_rows"]
+        held = read_unit_sidecar(sidecar, f"unit {unit}")["stats"]["source_rows"]
         now = max(0, min(shard_size, source_rows - unit * shard_size))
         if held > now:
             raise SpecgenError(

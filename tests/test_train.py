@@ -425,12 +425,14 @@ def test_heldout_split_is_fixed_disjoint_and_kept_out_of_every_training_batch(sh
     from specgen.training.plan import BatchPlan
     from specgen.training.probe import heldout_split
 
-    trained, held = heldout_split(ROWS, 4)
-    assert len(held) == 4 and sorted(trained + held) == list(range(ROWS)) and heldout_split(ROWS, 4) == (trained, held)
-    assert heldout_split(ROWS, 0) == (list(range(ROWS)), [])
-    with pytest.raises(SpecgenError, match="leaves nothing to train"):
-        heldout_split(ROWS, ROWS)
     dataset = open_shards(shards)
+    ids = dataset.sample_ids()
+    assert len(set(ids)) == ROWS == len(ids)
+    trained, held = heldout_split(ids, 4)
+    assert len(held) == 4 and sorted(trained + held) == list(range(ROWS)) and heldout_split(ids, 4) == (trained, held)
+    assert heldout_split(ids, 0) == (list(range(ROWS)), [])
+    with pytest.raises(SpecgenError, match="leaves nothing to train"):
+        heldout_split(ids, ROWS)
     for rank in range(2):  # each process's batches, over epochs: the training samples only, each once an epoch
         source = OfflineBatches(dataset, BatchPlan(batch_tokens=256, max_batch_size=None, seed=3, rank=rank,
                                                    world_size=2), indices=trained)
@@ -441,6 +443,27 @@ def test_heldout_split_is_fixed_disjoint_and_kept_out_of_every_training_batch(sh
                                   indices=held).epoch(0))
     assert sum(len(batch.lengths) for batch in batches) == 4
     assert sorted(int(n) for batch in batches for n in batch.lengths) == sorted(dataset.lengths()[i] for i in held)
+
+
+def test_heldout_split_holds_out_whole_prompts_so_no_reply_or_turn_of_them_is_trained_on():
+    """Pooled replies share their prompt's id and per-turn rows add `#k`: a held-out prompt takes all its samples;
+    with one sample per prompt the draw is the plain draw of N samples."""
+    from specgen.training.probe import heldout_split, prompt_key
+
+    ids = [f"p{i}" for i in range(30)] + [f"p{i}" for i in range(0, 30, 2)] + [f"q#{k}" for k in range(3)]
+    for wanted in (1, 4, 9, 20):
+        trained, held = heldout_split(ids, wanted)
+        assert len(held) >= wanted and sorted(trained + held) == list(range(len(ids)))
+        held_prompts = {prompt_key(ids[i]) for i in held}
+        assert held_prompts.isdisjoint(prompt_key(ids[i]) for i in trained)
+        assert len(held) - wanted < 3  # stops at the first prompt that reaches N (a prompt here has at most 3)
+    assert prompt_key("q#2") == "q" and prompt_key("alpaca_7") == "alpaca_7" and prompt_key("a#b") == "a#b"
+    singles = [f"s{i}" for i in range(50)]
+    held = heldout_split(singles, 7)[1]
+    drawn = torch.randperm(50, generator=torch.Generator().manual_seed(0))[:7]
+    assert held == sorted(drawn.tolist())
+    with pytest.raises(SpecgenError, match="leaves nothing to train on 4 samples of 1 prompts"):
+        heldout_split(["x", "x#0", "x#1", "x"], 1)
 
 
 def test_heldout_samples_are_scored_like_a_training_step_at_eval_every_and_the_last_step(shards, tmp_path, capsys):
@@ -462,7 +485,8 @@ def test_heldout_samples_are_scored_like_a_training_step_at_eval_every_and_the_l
     assert [("heldout_acc_0" in line) for line in lines] == [False, True, True]
     assert "4 held out" in capsys.readouterr().out
 
-    dataset, (trained, held) = open_shards(shards), heldout_split(ROWS, 4)
+    dataset = open_shards(shards)
+    trained, held = heldout_split(dataset.sample_ids(), 4)
     weights = load_target_weights(json.loads((shards / "manifest.json").read_text())["model"]["path"])
     draft = load_draft(str(ckpt), embedding=weights.embedding.float()).eval()
 

@@ -65,6 +65,10 @@ class _BatchColumns:
                 values = _zero_copy_numpy(array)
             self._values[column.name] = values
 
+    def strings(self, name: str) -> list[str]:
+        """Every row's value of the string column `name`."""
+        return self._strings[name].to_pylist()
+
     def row(self, index: int) -> dict:
         item = {}
         for column in self._columns:
@@ -167,6 +171,11 @@ class ShardDataset(Dataset):
     def lengths(self) -> list[int]:
         """Token count of every sample (for length-bucketed batching); reads no hidden states."""
         return list(self._lengths)
+
+    def sample_ids(self) -> list[str]:
+        """`sample_id` of every sample, in order; reads no hidden states."""
+        return [value for number in range(len(self._batch_locations))
+                for value in self._batch(number).strings("sample_id")]
 
     def __getitem__(self, index: int) -> dict:
         if index < 0:

@@ -81,7 +81,7 @@ def offline_data(settings, plan: BatchPlan, device: torch.device) -> TrainingDat
     counts_path = Path(settings.data.shards) / TOKEN_COUNTS
     top_path = Path(settings.data.shards) / TARGET_TOKEN_COUNTS
     top_counts = read_token_counts(top_path)[0] if top_path.exists() else None
-    trained, held = heldout_split(len(dataset), settings.train.heldout_samples)
+    trained, held = heldout_split(dataset.sample_ids(), settings.train.heldout_samples)
     if counts_path.exists() and not held:
         counts, _ = read_token_counts(counts_path)
     else:  # held-out samples must not choose the draft vocabulary: count the trained ones only
@@ -96,7 +96,7 @@ def offline_data(settings, plan: BatchPlan, device: torch.device) -> TrainingDat
     if held:  # one process, in order: every call scores the same batches
         scoring = replace(plan, seed=HELDOUT_SEED, rank=0, world_size=1)
         heldout = partial(list, OfflineBatches(dataset, scoring, indices=held).epoch(0))
-    kept = f", {len(held)} held out by train.heldout_samples" if held else ""
+    kept = f", {len(held)} held out by train.heldout_samples, whole prompts" if held else ""
     return TrainingData(source=source, target_path=str(target_path), target_config_hash=recorded_hash,
                         aux_layers=list(manifest["capture"]["aux_layers"]), token_counts=counts,
                         embedding=weights.embedding, lm_head=weights.lm_head, target_config=weights.config,

@@ -9,6 +9,7 @@ run are comparable, and the figure of the last call equals `specgen.evaluate`'s 
 `evaluate.turns=first` and the same prompts, K and max_new_tokens.
 """
 
+import re
 import time
 from collections.abc import Callable, Sequence
 
@@ -28,17 +29,32 @@ from specgen.training.trainer import forward_batch
 HELDOUT_SEED = 0  # the held-out samples do not depend on runtime.seed, so every seed of a run scores the same ones
 
 
-def heldout_split(num_samples: int, heldout: int) -> tuple[list[int], list[int]]:
-    """(training indices, held-out indices): `heldout` samples drawn by a fixed seed, the rest kept in order."""
+def prompt_key(sample_id: str) -> str:
+    """The prompt a sample was made from: its id without the `#k` of a per-turn row (`data.turns=each`). Replies
+    regenerated from one prompt keep its id, so pooled replies (`data.path=[reply0,reply1]`) share a key."""
+    return re.sub(r"#\d+$", "", sample_id)
+
+
+def heldout_split(sample_ids: Sequence[str], heldout: int) -> tuple[list[int], list[int]]:
+    """(training indices, held-out indices): whole prompts, drawn by a fixed seed, until at least `heldout` samples
+    are held out; the rest kept in order. Every sample of a held-out prompt (`prompt_key`) is held out, so no reply
+    or turn of it is trained on; with one sample per prompt this is exactly `heldout` samples."""
     if heldout <= 0:
-        return list(range(num_samples)), []
-    if heldout >= num_samples:
-        raise SpecgenError(f"train.heldout_samples={heldout} leaves nothing to train on {num_samples} samples; "
-                           "hold out fewer")
-    chosen = torch.randperm(num_samples, generator=torch.Generator().manual_seed(HELDOUT_SEED))[:heldout]
-    held = sorted(chosen.tolist())
+        return list(range(len(sample_ids))), []
+    groups: dict[str, list[int]] = {}
+    for index, sample_id in enumerate(sample_ids):
+        groups.setdefault(prompt_key(sample_id), []).append(index)
+    order = list(groups.values())
+    held: list[int] = []
+    for group in torch.randperm(len(order), generator=torch.Generator().manual_seed(HELDOUT_SEED)).tolist():
+        if len(held) >= heldout:
+            break
+        held.extend(order[group])
+    if len(held) >= len(sample_ids):
+        raise SpecgenError(f"train.heldout_samples={heldout} leaves nothing to train on {len(sample_ids)} samples "
+                           f"of {len(order)} prompts; hold out fewer")
     kept = set(held)
-    return [i for i in range(num_samples) if i not in kept], held
+    return [i for i in range(len(sample_ids)) if i not in kept], sorted(held)
 
 
 class AcceptanceProbe:

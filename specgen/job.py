@@ -20,7 +20,7 @@ from typing import TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from specgen.data.sources import SourceRecord, work_units
+from specgen.data.sources import SourceRecord, unit_rows, work_units
 from specgen.errors import SpecgenError
 from specgen.outdir import claim_output_dir, fingerprint
 from specgen.ranks import Workers, init_workers
@@ -109,7 +109,8 @@ def reopen_grown_units(out_dir: Path, units: dict[int, Path], sidecar_name: Call
 
     A short last unit whose source has grown since (rows appended to data.path, or a larger data.max_rows) is
     removed, sidecar first, so the run redoes it with its full rows: the result is what a run on the grown source
-    makes from scratch. A unit the source now gives fewer rows, or none, is refused in one line: the source shrank or
+    makes from scratch. A kill between the two removals leaves the old file without its sidecar: unfinished, and
+    replaced when the unit is redone (`specgen.store.commit.commit_unit`). A unit the source now gives fewer rows, or none, is refused in one line: the source shrank or
     changed, and the folder's units no longer describe it."""
     if source_rows is None:
         return []
@@ -117,15 +118,16 @@ def reopen_grown_units(out_dir: Path, units: dict[int, Path], sidecar_name: Call
     for unit, path in sorted(units.items()):
         sidecar = out_dir / sidecar_name(unit)
         held = read_unit_sidecar(sidecar, f"unit {unit}")["stats"]["source_rows"]
-        now = max(0, min(shard_size, source_rows - unit * shard_size))
+        now = unit_rows(unit, shard_size, source_rows)
         if held > now:
             raise SpecgenError(
                 f"output.dir={out_dir} holds unit {unit} ({path.name}) made from {held:,} source rows, but data.path now "
                 f"gives it {now:,} (the source shrank or changed since); pass output.overwrite=true to start again, or "
                 "pick another output.dir")
         if held < now:
-            log.warning("data.path has grown since unit %d (%s) was made from %d source rows: it now gives %d, so the "
-                        "unit is redone with them", unit, path.name, held, now)
+            log.warning("the source has grown since unit %d (%s) was made from %d source rows: it now gives %d "
+                        "(rows added to data.path, or a larger data.max_rows), so the unit is redone with them",
+                        unit, path.name, held, now)
             sidecar.unlink()
             path.unlink()
             reopened.append(unit)

@@ -230,7 +230,7 @@ def test_a_grown_source_resumes_to_the_run_on_all_of_it_and_a_shrunk_one_is_refu
     reference = generate(small_target, tmp_path / "reference", *grown)
     with caplog.at_level("WARNING", logger="specgen.job"):
         resumed = generate(small_target, tmp_path / "out", *grown)
-    assert "data.path has grown since unit 2 (shard-00002.arrow) was made from 4 source rows: it now gives 8" \
+    assert "the source has grown since unit 2 (shard-00002.arrow) was made from 4 source rows: it now gives 8" \
         in caplog.text
     assert resumed["stats"] == reference["stats"] and resumed["stats"]["source_rows"] == 28
     assert_same_rows(tmp_path / "out", tmp_path / "reference")

@@ -817,6 +817,21 @@ def test_rows_appended_to_the_source_grow_the_dataset_as_one_run(grown, chat_mod
     assert part_files(tmp_path / "out") == part_files(once_dir)
 
 
+def test_growing_a_source_of_unknown_size_to_its_end_redoes_the_short_part(grown, chat_model, tmp_path, monkeypatch):
+    """data.max_rows=4 -> null where the source's size cannot be known up front: the claim cannot compare rows, so
+    the growth itself reopens the short part; the result is the run over all of it."""
+    import specgen.data.sources as sources
+
+    _, once_dir, _, _ = grown
+    rows = [json.loads(line) for line in (grown[0]).read_text().splitlines()][:8]
+    source = write_source(tmp_path / "source.jsonl", rows)  # parts of 3 rows: 3, 1 -> 3, 3, 2
+    regenerate(chat_model, source, tmp_path / "out", *grow_command("data.max_rows=4"))
+    monkeypatch.setattr(sources, "count_records", lambda *args, **kwargs: None)
+    manifest = regenerate(chat_model, source, tmp_path / "out", *grow_command("data.max_rows=null"))
+    assert manifest["stats"]["source_rows"] == 8 and manifest["last_run"]["grown"]["units_regenerated"] == [1]
+    assert part_files(tmp_path / "out") == part_files(once_dir)
+
+
 def test_the_next_command_names_the_recipe_the_run_used(chat_model, tmp_path, capsys):
     """The summary's next command (generate on the new dataset) carries the run's recipe= (a user's file as an
     absolute path), which the manifest records: generate composed from that command line gets the recipe's keys.
@@ -862,11 +877,13 @@ def test_generate_reads_the_first_rows_of_a_grown_dataset(grown, chat_model, tmp
 
 
 def test_a_growth_stopped_midway_completes_on_a_re_run(grown, chat_model, tmp_path, monkeypatch):
-    """A growth killed after the short part was replaced but before its sidecar was written (the replacement's
-    window), then again after the next part: each re-run finishes the same dataset as one run of the larger size."""
+    """A growth killed between the removal of the short part's sidecar and of the part, then after the new part was
+    renamed over the old one but before its sidecar was written (the replacement's window), then after the next
+    part: each re-run finishes the same dataset as one run of the larger size."""
+    import pathlib
+
     import specgen.regenerate as stage
-    from specgen.regen import parts
-    from specgen.store.commit import commit_file
+    import specgen.store.commit as commit
 
     class Killed(BaseException):
         pass
@@ -874,19 +891,30 @@ def test_a_growth_stopped_midway_completes_on_a_re_run(grown, chat_model, tmp_pa
     source, once_dir, once, _ = grown
     out_dir = tmp_path / "out"
     regenerate(chat_model, source, out_dir, *grow_command("data.max_rows=4"))
-    commit_unit, write_part = parts.commit_unit, stage.write_part
+    old_part = (out_dir / "part-00001.jsonl").read_bytes()
+    unlink, write_json_atomic, write_part = pathlib.Path.unlink, commit.write_json_atomic, stage.write_part
 
-    def killed_after_the_rename(tmp, path, sidecar_path, sidecar, checksum=None, *, file_first=False):
-        if file_first:
-            commit_file(tmp, path)
+    def killed_at_the_part(path, missing_ok=False):
+        if path.name == "part-00001.jsonl":
             raise Killed
-        return commit_unit(tmp, path, sidecar_path, sidecar, checksum, file_first=file_first)
+        return unlink(path, missing_ok=missing_ok)
 
-    monkeypatch.setattr(parts, "commit_unit", killed_after_the_rename)
+    monkeypatch.setattr(pathlib.Path, "unlink", killed_at_the_part)
     with pytest.raises(Killed):
         regenerate(chat_model, source, out_dir, *grow_command("data.max_rows=8"))
-    assert (out_dir / "part-00001.jsonl").exists() and not (out_dir / "part-00001.json").exists()
-    monkeypatch.setattr(parts, "commit_unit", commit_unit)
+    monkeypatch.setattr(pathlib.Path, "unlink", unlink)
+    assert (out_dir / "part-00001.jsonl").read_bytes() == old_part and not (out_dir / "part-00001.json").exists()
+
+    def killed_after_the_rename(path, value, **kwargs):
+        if Path(path).name == "part-00001.json" and not commit.tmp_path(Path(path).with_suffix(".jsonl")).exists():
+            raise Killed  # the new part is under its name, its sidecar not written yet
+        return write_json_atomic(path, value, **kwargs)
+
+    monkeypatch.setattr(commit, "write_json_atomic", killed_after_the_rename)
+    with pytest.raises(Killed):
+        regenerate(chat_model, source, out_dir, *grow_command("data.max_rows=8"))
+    monkeypatch.setattr(commit, "write_json_atomic", write_json_atomic)
+    assert (out_dir / "part-00001.jsonl").read_bytes() != old_part and not (out_dir / "part-00001.json").exists()
 
     def killed_at_unit_2(out, unit, *args):
         if unit == 2:

@@ -390,6 +390,11 @@ def work_units(records: Iterable[SourceRecord], shard_size: int) -> Iterator[tup
         yield unit, list(group)
 
 
+def unit_rows(unit: int, shard_size: int, rows: float) -> float:
+    """How many of a source's `rows` (math.inf: unbounded) work unit `unit` holds (`work_units`)."""
+    return max(0, min(shard_size, rows - unit * shard_size))
+
+
 @dataclass
 class CappedSource:
     """A source read through `data.max_rows`: its records, the rows to expect and what the summary says."""

@@ -6,9 +6,9 @@ Unit k of the source always holds rows [k*S, (k+1)*S) (S: output.shard_size) and
 smaller run finished are exactly the parts a run of the larger size makes. Growing keeps them as they are and
 generates the units after them; the result is, part for part and byte for byte, the run of the larger size made
 from scratch. An earlier last unit that stopped short at the old `data.max_rows` (max_rows not a multiple of S)
-holds fewer rows than the same unit of the larger run, so it is regenerated with its full rows: its sidecar is
-removed before anything else (the unit is unfinished again) and its new part is renamed over the old one before its
-new sidecar is written (`specgen.regen.parts`), so a kill at any moment leaves a folder the same command completes.
+holds fewer rows than the same unit of the larger run, so it is regenerated with its full rows, as every stage
+redoes a short last unit whose source has grown (`specgen.job.reopen_grown_units`, right after this step); a kill at
+any moment leaves a folder the same command completes.
 
 What is refused, in one line, before the model's first token:
 - a smaller `data.max_rows` than the folder was made with: a dataset only grows here; `specgen generate
@@ -27,6 +27,7 @@ import math
 import time
 from pathlib import Path
 
+from specgen.data.sources import unit_rows
 from specgen.errors import SpecgenError
 from specgen.outdir import RUN_FILE, fingerprint
 from specgen.regen.parts import finished_parts, read_sidecar, sidecar_name
@@ -47,12 +48,6 @@ def _cap(max_rows: int | None) -> float:
 
 def _show(max_rows: int | None) -> str:
     return "null" if max_rows is None else str(max_rows)
-
-
-def unit_rows(unit: int, shard_size: int, max_rows: int | None, file_rows: int | None) -> float:
-    """The source rows unit `unit` holds under `max_rows` (inf where neither the cap nor the source's size is known)."""
-    start = unit * shard_size
-    return max(0, min(shard_size, _cap(max_rows) - start, math.inf if file_rows is None else file_rows - start))
 
 
 def grow_if_asked(out_dir: Path, identity: dict, *, shard_size: int, file_rows: int | None, sources: int,
@@ -82,18 +77,17 @@ def grow_if_asked(out_dir: Path, identity: dict, *, shard_size: int, file_rows: 
             f"output.dir={out_dir} was made with data.max_rows={_show(old)} from a data.path of {sources} sources; "
             "data.max_rows caps each source, so a larger value moves the later sources' rows into other parts and the "
             "dataset cannot grow in place; regenerate into another output.dir")
-    stale = sorted(unit for unit, rows in held.items()
-                   if rows < shard_size and unit_rows(unit, shard_size, new, file_rows) > rows)
+    rows = min(_cap(new), math.inf if file_rows is None else file_rows)
+    stale = sorted(unit for unit, held_rows in held.items() if unit_rows(unit, shard_size, rows) > held_rows)
     growth = {"from_max_rows": old, "to_max_rows": new, "from_rows": sum(held.values()),
               "units_kept": len(held) - len(stale), "units_regenerated": stale,
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    # The short last part is unfinished from here on (its part stays until the new one is renamed over it); then
-    # the new identity and the record of this growth in one atomic write. A kill between the two leaves the old
-    # identity over a folder that either size completes.
-    for unit in stale:
-        (out_dir / sidecar_name(unit)).unlink()
-    if stale:
+    if stale and rows == math.inf:  # a source of unknown size read to its end: the claim cannot see that these units grew
+        for unit in stale:
+            (out_dir / sidecar_name(unit)).unlink()
         fsync_dir(out_dir)
+    # The new identity and the record of this growth in one atomic write; the claim then redoes the stale units
+    # (`specgen.job.reopen_grown_units`). A kill before it leaves the old identity over a folder either size completes.
     write_json_atomic(run_file, {**previous, "fingerprint": fingerprint(identity), "identity": identity,
                                  "extensions": [*previous.get("extensions", []), growth]})
     log.info("growing %s from data.max_rows=%s (%d source rows) to data.max_rows=%s: %d finished units kept%s",

@@ -5,9 +5,8 @@ unit's counts, rejected rows and the part's checksum), then renames the part int
 point (`specgen.store.commit.commit_unit`, the protocol shards share). A run killed
 at any moment leaves at most a `*.tmp` file and an orphan sidecar, which `finished_parts` ignores and
 `remove_partial` deletes, so a part that exists under its final name is always complete. A part that counts as
-finished (part and sidecar) always holds what its sidecar describes: a part being replaced (a grown dataset's
-partial last part, `specgen.regen.grow`, whose sidecar was removed first) is renamed over the old one before its new
-sidecar is written.
+finished (part and sidecar) always holds what its sidecar describes: a part being replaced (a grown dataset's short
+last part, `specgen.job.reopen_grown_units`) is renamed over the old one before its new sidecar is written.
 """
 
 import json
@@ -37,8 +36,7 @@ def write_part(out_dir: Path, unit: int, rows: list[dict], sidecar: dict) -> Pat
     try:
         with disk_errors(out_dir, len(text)):
             tmp.write_bytes(text)
-            # A part already under its name has no sidecar: a grown dataset's partial last part, being replaced.
-            commit_unit(tmp, path, out_dir / sidecar_name(unit), sidecar, file_first=path.exists())
+            commit_unit(tmp, path, out_dir / sidecar_name(unit), sidecar)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -249,8 +249,7 @@ def read_unit_sidecar(path: Path, unit: str) -> dict:
     return json.loads(path.read_text())
 
 
-def commit_unit(tmp: Path, path: Path, sidecar_path: Path, sidecar: dict, checksum: str | None = None, *,
-                file_first: bool = False) -> dict:
+def commit_unit(tmp: Path, path: Path, sidecar_path: Path, sidecar: dict, checksum: str | None = None) -> dict:
     """Commit a work unit's file: its checksum (`checksum`, e.g. a `HashingFile`'s, or computed from `tmp`) goes
     into the sidecar, the sidecar is written atomically, then the file is renamed into place (the commit point).
     Returns the sidecar as written.
@@ -258,10 +257,12 @@ def commit_unit(tmp: Path, path: Path, sidecar_path: Path, sidecar: dict, checks
     A kill at any moment leaves either `tmp` (and possibly an orphan sidecar) or the finished unit; a unit counts
     as finished only when both its file and its sidecar exist under their final names.
 
-    file_first: rename the file into place first, then write the sidecar (the commit point). For a unit whose old
-    file is still under the final name without its sidecar (being replaced): in the usual order a kill between the
-    two steps would pair the new sidecar with the old file, which would count as finished.
+    A unit being redone whose old file is still under the final name without its sidecar (`specgen.job.
+    reopen_grown_units` killed between its two removals) gets the file renamed over the old one first, then the
+    sidecar (the commit point): in the usual order a kill between the two steps would pair the new sidecar with the
+    old file, which would count as finished.
     """
+    file_first = path.exists()
     fsync_file(tmp)
     sidecar = {**sidecar, "checksum": {HASH_ALGORITHM: checksum or content_hash(tmp), "bytes": tmp.stat().st_size}}
     if file_first:

@@ -11,6 +11,7 @@ if __name__ == "__main__":  # a config error or `--cfg job` is answered before t
 
     check_command_line("verify")
 
+import hashlib
 import logging
 import random
 import sys
@@ -39,18 +40,20 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def check_structure(dataset, manifest: dict) -> tuple[list[str], dict]:
-    """Every row: consistent lengths, 0/1 mask, finite values; totals equal the manifest's stats."""
+    """Every row: consistent lengths, 0/1 mask, finite values, not stored twice (the same sample_id and tokens;
+    replies pooled from one prompt share its id, not its tokens); totals equal the manifest's stats."""
     problems = []
     totals = {"samples": 0, "tokens": 0, "trainable_tokens": 0}
     width_aux = dataset.spec.num_aux * dataset.spec.hidden_size
-    seen_ids = set()
+    seen = {}  # (sample_id, tokens) -> first index: the same row stored twice; pooled replies share only the id
     for i in range(len(dataset)):
         item = dataset[i]
         sid, length = item["sample_id"], len(item["input_ids"])
         where = f"sample {i} ({sid})"
-        if sid in seen_ids:
-            problems.append(f"{where}: duplicate sample_id")
-        seen_ids.add(sid)
+        key = (sid, hashlib.sha256(item["input_ids"].numpy().tobytes()).digest())
+        if key in seen:
+            problems.append(f"{where}: the same row (sample_id and tokens) as sample {seen[key]}")
+        seen.setdefault(key, i)
         if len(item["loss_mask"]) != length:
             problems.append(f"{where}: loss_mask has {len(item['loss_mask'])} entries for {length} tokens")
         if not bool(((item["loss_mask"] == 0) | (item["loss_mask"] == 1)).all()):

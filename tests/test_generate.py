@@ -317,6 +317,29 @@ def test_verify_passes_and_catches_a_wrong_model(small_target, tmp_path):
     assert bad.returncode == 1 and "differs from the HF forward" in bad.stderr
 
 
+def test_verify_takes_pooled_replies_that_share_an_id_and_catches_a_row_stored_twice(small_target, tmp_path):
+    """Replies regenerated from one prompt keep its id, so a pooled dataset holds one id several times: only the
+    same id with the same tokens is a problem (a source listed twice here, as a row written twice would be)."""
+    from specgen.store.manifest import read_manifest
+    from specgen.verify import check_structure
+
+    def chat(name: str, answer: str) -> Path:
+        rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"Question {i}?"},
+                                             {"role": "assistant", "content": f"{answer} {i}."}]} for i in range(3)]
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return path
+
+    reply0, reply1 = chat("reply0", "Yes"), chat("reply1", "No, never")
+    generate(small_target, tmp_path / "pooled", f"data.path=[{reply0},{reply1}]")
+    pooled = open_shards(tmp_path / "pooled")
+    assert sorted(pooled.sample_ids()) == ["p0", "p0", "p1", "p1", "p2", "p2"]
+    assert check_structure(pooled, read_manifest(tmp_path / "pooled"))[0] == []
+    generate(small_target, tmp_path / "twice", f"data.path=[{reply0},{reply0}]")
+    problems = check_structure(open_shards(tmp_path / "twice"), read_manifest(tmp_path / "twice"))[0]
+    assert len(problems) == 3 and all("the same row (sample_id and tokens) as sample" in p for p in problems)
+
+
 def flip_low_bit(path: Path) -> None:
     """Flip bit 0 of a 4-byte-aligned byte in the middle of the file: the lowest mantissa bit of a stored float."""
     data = bytearray(path.read_bytes())

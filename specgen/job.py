@@ -110,8 +110,8 @@ def reopen_grown_units(out_dir: Path, units: dict[int, Path], sidecar_name: Call
     A short last unit whose source has grown since (rows appended to data.path, or a larger data.max_rows) is
     removed, sidecar first, so the run redoes it with its full rows: the result is what a run on the grown source
     makes from scratch. A kill between the two removals leaves the old file without its sidecar: unfinished, and
-    replaced when the unit is redone (`specgen.store.commit.commit_unit`). A unit the source now gives fewer rows, or none, is refused in one line: the source shrank or
-    changed, and the folder's units no longer describe it."""
+    replaced when the unit is redone (`specgen.store.commit.commit_unit`). A unit the source now gives fewer rows,
+    or none, is refused in one line: the source shrank or changed, and the folder's units no longer describe it."""
     if source_rows is None:
         return []
     reopened = []

@@ -82,7 +82,7 @@ def grow_if_asked(out_dir: Path, identity: dict, *, shard_size: int, file_rows: 
     growth = {"from_max_rows": old, "to_max_rows": new, "from_rows": sum(held.values()),
               "units_kept": len(held) - len(stale), "units_regenerated": stale,
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    if stale and rows == math.inf:  # a source of unknown size read to its end: the claim cannot see that these units grew
+    if stale and rows == math.inf:  # a source of unknown size, read to its end: the claim cannot see these grow
         for unit in stale:
             (out_dir / sidecar_name(unit)).unlink()
         fsync_dir(out_dir)

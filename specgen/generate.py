@@ -94,7 +94,7 @@ def generate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease) -> di
 
 
 def owned_units(cfg: DictConfig, records: Iterable[SourceRecord], chat: ChatTemplateTokenizer, workers: Workers,
-                done: set[int], monitor: JobMonitor, claims: UnitClaims) -> Iterator[PreparedUnit]:
+                done: dict[int, str | None], monitor: JobMonitor, claims: UnitClaims) -> Iterator[PreparedUnit]:
     """The unfinished units this process claims, tokenized in order (claimed when the previous one was taken off
     the prefetch queue); finished ones only count towards progress, on the main process."""
     on_finished = (lambda unit_records: monitor.add(rows=len(unit_records))) if workers.is_main else None

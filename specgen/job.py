@@ -6,7 +6,8 @@
                         clears a killed run's leftovers; every process learns which units are already finished
     reopen_grown_units  a finished short last unit whose source has grown since is redone; a shrunk source refused
     claimed_units       the source in units of `output.shard_size` rows; each process takes the next unfinished
-                        unit whenever it is ready for one (`specgen.ranks.claims`), so nobody waits for a slower one
+                        unit whenever it is ready for one (`specgen.ranks.claims`), so nobody waits for a slower one;
+                        a finished unit whose source rows were edited since is refused (`rows_digest`)
 
 A stage turns each claimed unit into one file committed atomically (a shard, a part), checks the lease before each
 commit, and has its main process write the manifest last, once every unit is on disk.
@@ -20,7 +21,7 @@ from typing import TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from specgen.data.sources import SourceRecord, unit_rows, work_units
+from specgen.data.sources import SOURCE_DIGEST, SourceRecord, rows_digest, unit_rows, work_units
 from specgen.errors import SpecgenError
 from specgen.outdir import claim_output_dir, fingerprint
 from specgen.ranks import Workers, init_workers
@@ -68,11 +69,12 @@ def run_job(cfg: DictConfig, stage: str, job: Callable[[Path, Workers, object], 
 def claim_for_job(cfg: DictConfig, out_dir: Path, identity: dict, workers: Workers, *,
                   finished: Callable[[Path], dict[int, Path]], remove_partial: Callable[[Path], object],
                   sidecar_name: Callable[[int], str], source_rows: int | None,
-                  before_claim: Callable[[Path], object] | None = None) -> set[int]:
+                  before_claim: Callable[[Path], object] | None = None) -> dict[int, str | None]:
     """The main process claims output.dir and clears a killed run's leftovers (`remove_partial`); every process then
-    returns the finished units (`finished`: unit -> its file; `sidecar_name(unit)`: its sidecar). Also checks that
-    every process was launched with the same dataset configuration, and that the finished units still match the
-    source (`source_rows`: the rows this run reads, `reopen_grown_units`). `before_claim(out_dir)`: the main
+    returns the finished units (`finished`: unit -> its file; `sidecar_name(unit)`: its sidecar), each with the
+    digest of the source rows it was made from (its sidecar's SOURCE_DIGEST; None in a sidecar from before it).
+    Also checks that every process was launched with the same dataset configuration, and that the finished units
+    still match the source (`source_rows`: the rows this run reads, `reopen_grown_units`). `before_claim(out_dir)`: the main
     process's step before the claim, under the lease (regenerate grows a dataset there, `specgen.regen.grow`); its
     `SpecgenError` stops every process."""
     problem = None
@@ -95,7 +97,8 @@ def claim_for_job(cfg: DictConfig, out_dir: Path, identity: dict, workers: Worke
         raise SpecgenError(f"process {workers.rank} was launched with a dataset configuration that differs from "
                            "process 0's (model, tokenizer, data, layers or shard size); launch every machine with "
                            "the same command")
-    done = set(finished(out_dir))
+    done = {unit: read_unit_sidecar(out_dir / sidecar_name(unit), f"unit {unit}").get(SOURCE_DIGEST)
+            for unit in finished(out_dir)}
     if done:
         log.info("%d units already finished in %s", len(done), out_dir)
     return done
@@ -136,16 +139,23 @@ def reopen_grown_units(out_dir: Path, units: dict[int, Path], sidecar_name: Call
     return reopened
 
 
-def claimed_units(records: Iterable[SourceRecord], shard_size: int, done: set[int], claims: UnitClaims, *,
-                  on_finished: Callable[[list[SourceRecord]], None] | None = None, slowdown: float = 0.0,
+def claimed_units(records: Iterable[SourceRecord], shard_size: int, done: dict[int, str | None], claims: UnitClaims,
+                  *, on_finished: Callable[[list[SourceRecord]], None] | None = None, slowdown: float = 0.0,
                   every_unit: list[int] | None = None) -> Iterator[tuple[int, list[SourceRecord]]]:
     """(unit, its records) for each unfinished unit this process claims, in order; a unit is claimed when the
-    previous one was taken. Finished units go to `on_finished` (progress), every unit's index to `every_unit`.
-    slowdown: seconds to sleep before each claim (`specgen.ranks.slowdown_for_tests`)."""
+    previous one was taken. Finished units (`done`: unit -> the digest of the rows it was made from) are checked
+    against the rows the source gives them now, a changed one refused in one line, and go to `on_finished`
+    (progress); every unit's index goes to `every_unit`. slowdown: seconds to sleep before each claim
+    (`specgen.ranks.slowdown_for_tests`)."""
     for unit, unit_records in work_units(records, shard_size):
         if every_unit is not None:
             every_unit.append(unit)
         if unit in done:
+            if done[unit] is not None and done[unit] != rows_digest(unit_records):
+                raise SpecgenError(
+                    f"unit {unit} of output.dir (source rows {unit_records[0].index:,}-{unit_records[-1].index:,}) "
+                    "was made from rows that data.path no longer holds as they were (edited since); pass "
+                    "output.overwrite=true to start again, or pick another output.dir")
             if on_finished is not None:
                 on_finished(unit_records)
             continue

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from specgen.capture.target import config_hash
 from specgen.config import stage_main
-from specgen.data.sources import CappedSource, capped_source, source_paths
+from specgen.data.sources import SOURCE_DIGEST, CappedSource, capped_source, rows_digest, source_paths
 from specgen.data.template import chat_template_sha256
 from specgen.job import claim_for_job, claimed_units, require_model_folder, run_job, wait_for_units
 from specgen.progress import Progress
@@ -93,7 +93,7 @@ def regenerate_into(cfg: DictConfig, out_dir: Path, workers: Workers, lease, sou
 
 
 def regenerate_units(cfg: DictConfig, source: CappedSource, regenerator: ConversationRegenerator, out_dir: Path,
-                     workers: Workers, done: set[int], claims: UnitClaims, progress: Progress,
+                     workers: Workers, done: dict[int, str | None], claims: UnitClaims, progress: Progress,
                      lease) -> tuple[list[int], int, int]:
     """Regenerate every unit this process claims into its part; returns (every unit's index, new tokens, rows)."""
     units, new_tokens, rows = [], 0, 0
@@ -107,7 +107,8 @@ def regenerate_units(cfg: DictConfig, source: CappedSource, regenerator: Convers
                                         chunk_rows=None if cfg.engine.name == "vllm" else cfg.regenerate.batch_size)
         lease.check()
         write_part(out_dir, unit, result.rows,
-                   {"stats": result.stats, "rejected": [rejection.to_json() for rejection in result.rejections]})
+                   {"stats": result.stats, "rejected": [rejection.to_json() for rejection in result.rejections],
+                    SOURCE_DIGEST: rows_digest(unit_records)})
         progress.update(len(unit_records) - sum(shown), 0)  # rows rejected before any generation
         new_tokens += result.stats["new_tokens"]
         rows += len(unit_records)

@@ -126,10 +126,11 @@ def test_a_second_job_on_a_live_directory_is_refused_and_the_first_is_unharmed(s
            f"output.dir={busy}",
            "runtime.progress=false", "data.max_rows=24", "output.shard_size=8", "capture.batch_tokens=256"]
     first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (busy / ".specgen-lease.json").exists() and time.time() < deadline:
+    deadline = time.time() + 600  # a loaded machine can take minutes to start it
+    while not (busy / ".specgen-lease.json").exists() and time.time() < deadline and first.poll() is None:
         time.sleep(0.02)
     first.send_signal(signal.SIGSTOP)  # the first job is alive but paused: the second must not touch its files
+    assert (busy / ".specgen-lease.json").exists(), f"the first job took no lease: {first.poll()=}"
     try:
         for extra in ([], ["output.overwrite=true"]):
             second = subprocess.run([*cmd, *extra], cwd=REPO, capture_output=True, text=True)
@@ -239,6 +240,23 @@ def test_a_grown_source_resumes_to_the_run_on_all_of_it_and_a_shrunk_one_is_refu
     with pytest.raises(SpecgenError, match=r"holds unit 1 \(shard-00001.arrow\) made from 8 source rows, but "
                                            r"data.path now gives it 4 \(the source shrank"):
         generate(small_target, tmp_path / "out", *grown)
+
+
+def test_a_source_edited_since_a_unit_was_made_is_refused_naming_the_unit(small_target, tmp_path):
+    """The same number of rows, one of them edited in place: the finished unit holding it no longer describes the
+    source, so a re-run is refused instead of keeping it beside units made from the edited rows."""
+    lines = BUNDLED_CHAT.read_text().splitlines(keepends=True)
+    source = tmp_path / "source.jsonl"
+    source.write_text("".join(lines[:20]))  # units of 8 rows: 8, 8, 4
+    args = (f"data.path={source}", "data.max_rows=null", "capture.batch_tokens=256")
+    generate(small_target, tmp_path / "out", *args)
+    generate(small_target, tmp_path / "out", *args)  # the same rows: resumes (nothing left to do)
+    row = json.loads(lines[11])
+    row["conversations"][-1]["value"] += " Edited."
+    source.write_text("".join([*lines[:11], json.dumps(row) + "\n", *lines[12:20]]))
+    with pytest.raises(SpecgenError, match=r"^unit 1 of output.dir \(source rows 8-15\) was made from rows that "
+                                           r"data.path no longer holds as they were \(edited since\)"):
+        generate(small_target, tmp_path / "out", *args)
 
 
 @pytest.mark.parametrize("override, key", [

@@ -817,6 +817,18 @@ def test_rows_appended_to_the_source_grow_the_dataset_as_one_run(grown, chat_mod
     assert part_files(tmp_path / "out") == part_files(once_dir)
 
 
+def test_a_source_edited_in_place_is_refused_naming_the_part(grown, chat_model, tmp_path):
+    """Same rows count, one question edited: the finished part answering the old question is refused, not kept."""
+    rows = [json.loads(line) for line in grown[0].read_text().splitlines()][:4]
+    source = write_source(tmp_path / "source.jsonl", rows)  # parts of 3 rows: 3, 1
+    regenerate(chat_model, source, tmp_path / "out", *grow_command("data.max_rows=null"))
+    rows[1]["messages"][0]["content"] += " Briefly."
+    write_source(source, rows)
+    with pytest.raises(SpecgenError, match=r"^unit 0 of output.dir \(source rows 0-2\) was made from rows that "
+                                           r"data.path no longer holds"):
+        regenerate(chat_model, source, tmp_path / "out", *grow_command("data.max_rows=null"))
+
+
 def test_growing_a_source_of_unknown_size_to_its_end_redoes_the_short_part(grown, chat_model, tmp_path, monkeypatch):
     """data.max_rows=4 -> null where the source's size cannot be known up front: the claim cannot compare rows, so
     the growth itself reopens the short part; the result is the run over all of it."""

@@ -18,7 +18,7 @@ from specgen.capture.zero import ZeroCapture
 from specgen.data.prefixes import plan_prefixes
 from specgen.data.prepare import prepare_rows
 from specgen.data.sample import TokenizedSample
-from specgen.data.sources import SourceRecord
+from specgen.data.sources import SOURCE_DIGEST, SourceRecord, rows_digest
 from specgen.data.template import ChatTemplateTokenizer
 from specgen.pipeline import BackgroundWriter
 from specgen.ranks.monitor import JobMonitor
@@ -33,6 +33,7 @@ class PreparedUnit:
 
     index: int
     source_rows: int
+    source_digest: str  # rows_digest of its source rows, kept in the sidecar
     samples: list[TokenizedSample]
     rejected: list[dict]
     stats: dict
@@ -46,7 +47,7 @@ def prepare_unit(cfg: DictConfig, unit: int, records: list[SourceRecord], chat: 
         rejected.extend(r.to_json() for r in row.rejections)
     stats = {"source_rows": len(records), "samples": len(samples), "tokens": sum(len(s) for s in samples),
              "trainable_tokens": sum(s.num_trainable for s in samples), "padded_tokens": 0}
-    return PreparedUnit(unit, len(records), samples, rejected, stats)
+    return PreparedUnit(unit, len(records), rows_digest(records), samples, rejected, stats)
 
 
 def unit_batches(cfg: DictConfig, unit: PreparedUnit, target: Target, plan, device: torch.device,
@@ -92,10 +93,10 @@ def capture_units(cfg: DictConfig, units: Iterable[PreparedUnit], target: Target
         stats["rejected"] = dict(Counter(r["reason"] for r in unit.rejected))
         if lease is not None:
             lease.check()  # a job that lost output.dir to another commits nothing more
-        extra = None
+        extra = {SOURCE_DIGEST: unit.source_digest}
         if top_counts is not None:  # one device sync per unit
             top_counts = top_counts.cpu()
-            extra = {TARGET_TOP: {str(int(i)): int(top_counts[i]) for i in top_counts.nonzero().flatten()}}
+            extra[TARGET_TOP] = {str(int(i)): int(top_counts[i]) for i in top_counts.nonzero().flatten()}
         writer.commit(stats, unit.rejected, unit.source_rows, extra)
         monitor.check()
     if isinstance(target.capture, ZeroCapture):

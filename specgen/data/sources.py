@@ -10,6 +10,7 @@ another as one source. Each row comes back as a
 carries a `RowError` instead of a record so the caller can reject that row and go on.
 """
 
+import hashlib
 import itertools
 import json
 import logging
@@ -388,6 +389,20 @@ def work_units(records: Iterable[SourceRecord], shard_size: int) -> Iterator[tup
     """Split the stream into units of `shard_size` source rows; unit k always holds rows [k*S, (k+1)*S)."""
     for unit, group in itertools.groupby(records, key=lambda r: r.index // shard_size):
         yield unit, list(group)
+
+
+SOURCE_DIGEST = "source_sha256"  # the sidecar entry of a unit's rows_digest
+
+
+def rows_digest(records: Iterable[SourceRecord]) -> str:
+    """sha256 of source rows as read (each row's position and JSON with sorted keys, or its read error): a finished
+    unit's sidecar records it (`SOURCE_DIGEST`), so a re-run sees that the rows it was made from were edited."""
+    digest = hashlib.sha256()
+    for record in records:
+        row = record.record if record.record is not None else {"error": str(record.error)}
+        digest.update(json.dumps([record.index, row], sort_keys=True, ensure_ascii=False, default=str).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
 
 
 def unit_rows(unit: int, shard_size: int, rows: float) -> float:

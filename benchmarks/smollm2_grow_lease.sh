@@ -18,7 +18,9 @@
 # within the machine's idle window, carries .gpu/g01 .gpu/gguf.sha256 .gpu/data/prompts.jsonl (python -m
 # specgen.assets.smollm2 --prompts) and .gpu/grow.tgz (absent on the first lease):
 #   DEADLINE=480 bash benchmarks/smollm2_grow_lease.sh                                    # timeout_s >= 540
-# Then here: cp the returned grow.tgz to .gpu/grow.tgz for the next lease; tar xzf it to read the datasets.
+# Then here: cp the returned grow.tgz to .gpu/grow.tgz for the next lease; tar xzf it to read the datasets, and keep
+# them in the repository (e.g. benchmarks/data/smollm2-135m-gpu/, without lease files and logs; see
+# benchmarks/data/smollm2-135m/README.md): this machine's files are gone in the next session, git is what stays.
 # Local dry run (CPU, tiny):
 #   OUT=/tmp/o DEV=cpu MODEL=M PY=.venv/bin/python SIZES="2 4" BENCH="--rows 4 --batch-size 2 --max-new-tokens 4" \
 #     REGEN_EXTRA="regenerate.max_new_tokens=8 output.shard_size=2" DATA=/tmp/none bash benchmarks/smollm2_grow_lease.sh

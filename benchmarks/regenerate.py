@@ -1,13 +1,17 @@
 """Regeneration throughput of the transformers engine: one request at a time, batched with the dynamic KV cache, and
 batched with the static one (`regenerate.kv_cache=static`), side by side; with `--modes ... vllm` (run by the python
-of vLLM's venv, `.ci/vllm-venv`) vLLM's engine beside them (`engine=vllm`: its default settings, continuous batching).
+of vLLM's venv, `.ci/vllm-venv`) vLLM's engine beside them (`engine=vllm`: its default settings, continuous batching:
+a conversation's next turn is submitted as soon as its previous one is back), and with `vllm-depth` the same engine
+driven depth by depth (every conversation's first turn, then every second one, ...: how specgen drove it before).
 
 Every mode runs specgen's regeneration path (chat template, turn-by-turn on-policy context, decode) on the same
 model and conversations, in one process, differing only in `regenerate.batch_size` and `regenerate.kv_cache` (and
 `engine.name` for the vllm mode).
-Greedy decoding, so every mode must write the same text (the table says how many turns agree with the first mode;
-low-precision kernels may break rare near-ties differently in a batch). A random model rarely ends its turns early,
-so the modes generate the same number of tokens.
+Greedy decoding by default, so every mode must write the same text (the table says how many turns agree with the
+first mode; low-precision kernels may break rare near-ties differently in a batch). A random model rarely ends its
+turns early, so the modes generate the same number of tokens. The schedules differ where turns end at different
+lengths: a real model (--model) on real conversations (--data), sampled (--temperature; every request is seeded
+from its row, message and draw, so both vLLM schedules draw the same turns up to float rounding).
 
 Each mode first runs once untimed on the first --batch-size conversations with the same settings (kernels,
 allocator; with the static cache on CUDA, transformers compiles the decoding step then: "warm-up s" in the table),
@@ -19,7 +23,12 @@ Models (random weights, seed 0, the real Llama-3.1 vocabulary and tokenizer from
 or --model DIR, any local Hugging Face model folder.
 
   python benchmarks/regenerate.py [--rows 32] [--max-new-tokens 32] [--batch-size 32] [--threads 2]
-      [--shape small|smollm2 | --model DIR] [--dtype float32] [--device cpu|cuda] [--modes single dynamic static vllm]
+      [--shape small|smollm2 | --model DIR] [--dtype float32] [--device cpu|cuda] [--data FILE] [--temperature 0]
+      [--modes single dynamic static vllm vllm-depth]
+vLLM's two schedules on SmolLM2-135M-Instruct and its prompt mix (`python -m specgen.assets.smollm2 [--prompts F]`):
+  VLLM_CPU_KVCACHE_SPACE=6 VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=2 .venv-vllm/bin/python \
+      benchmarks/regenerate.py --model M --data F --rows 64 --max-new-tokens 256 --temperature 0.7 \
+      --modes vllm vllm-depth
 On one GPU (about 2 minutes):
   python benchmarks/regenerate.py --device cuda --dtype bfloat16 --shape smollm2 --rows 512 --batch-size 128 \\
       --max-new-tokens 256 --modes dynamic static
@@ -38,24 +47,25 @@ from common import SHARED, SMALL, SMOLLM2_135M, build_llama
 DATA = SHARED / "datasets" / "sharegpt_fastchat_dummy.json"
 SHAPES = {"small": SMALL, "smollm2": SMOLLM2_135M}
 MODES = {"single": ("one at a time", "dynamic"), "dynamic": ("batched", "dynamic"),
-         "static": ("batched, static", "static"), "vllm": ("vLLM engine", None)}
+         "static": ("batched, static", "static"), "vllm": ("vLLM engine", None),
+         "vllm-depth": ("vLLM, by depth", None)}
 MAX_PROMPT_TOKENS = 1024  # the longest prompt regenerated (a static cache holds this + max_new_tokens a row)
 
 
-def greedy(max_new_tokens: int):
+def sampling(max_new_tokens: int, temperature: float):
     from specgen.regen.engine import Sampling
 
-    return Sampling(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens)
+    return Sampling(temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens)
 
 
-def hf_generator(model, tokenizer, *, batch_size: int, max_new_tokens: int, kv_cache: str):
+def hf_generator(model, tokenizer, *, batch_size: int, max_new_tokens: int, kv_cache: str, temperature: float):
     from specgen.regen.engine import Generator
 
-    return Generator(model, tokenizer, greedy(max_new_tokens), batch_size=batch_size, batch_tokens=1 << 30,
-                     kv_cache=kv_cache, max_length=MAX_PROMPT_TOKENS + max_new_tokens)
+    return Generator(model, tokenizer, sampling(max_new_tokens, temperature), batch_size=batch_size,
+                     batch_tokens=1 << 30, kv_cache=kv_cache, max_length=MAX_PROMPT_TOKENS + max_new_tokens)
 
 
-def vllm_generator(model_dir: Path, model, tokenizer, *, max_new_tokens: int):
+def vllm_generator(model_dir: Path, model, tokenizer, *, max_new_tokens: int, temperature: float):
     """specgen's vLLM generator with `engine=vllm`'s settings, as `specgen regenerate engine=vllm` builds it."""
     from omegaconf import OmegaConf
 
@@ -63,8 +73,25 @@ def vllm_generator(model_dir: Path, model, tokenizer, *, max_new_tokens: int):
     from specgen.regen.vllm import VllmGenerator
 
     engine = OmegaConf.to_container(compose("regenerate", ["engine=vllm"]).engine)
-    return VllmGenerator(model_dir, model, tokenizer, greedy(max_new_tokens), engine=engine,
+    return VllmGenerator(model_dir, model, tokenizer, sampling(max_new_tokens, temperature), engine=engine,
                          max_model_len=MAX_PROMPT_TOKENS + max_new_tokens)
+
+
+class DepthByDepth:
+    """specgen's vLLM generator driven depth by depth: `collect` returns once every request in flight is done, so
+    a conversation's next turn waits for the slowest turn of the depth."""
+
+    def __init__(self, generator):
+        self.generator = generator
+
+    def __getattr__(self, name):
+        return getattr(self.generator, name)
+
+    def collect(self, on_batch=None):
+        done = []
+        while finished := self.generator.collect(on_batch):
+            done += finished
+        return done
 
 
 def regenerate(generator, model, tokenizer, records):
@@ -75,7 +102,7 @@ def regenerate(generator, model, tokenizer, records):
                                           max_prompt_tokens=MAX_PROMPT_TOKENS)
     synchronize(model.device)
     start = time.perf_counter()
-    result = regenerator.regenerate(records)
+    result = regenerator.regenerate(records, seed=0)
     synchronize(model.device)
     return result.stats, time.perf_counter() - start, result.rows
 
@@ -99,6 +126,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help="a local HF model folder (instead of --shape)")
     parser.add_argument("--dtype", default="float32", help="float32 (CPUs lack fast bf16 kernels) | bfloat16 | auto")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--data", type=Path, default=DATA, help="conversations (JSON/JSONL), repeated if needed")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -112,25 +141,30 @@ def main() -> None:
     model_dir = args.model or build_llama(Path(tmp.name) / "model", shape=SHAPES[args.shape])
     model = load_target(model_dir, dtype=args.dtype, device=args.device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    records = list(itertools.islice(itertools.cycle(iter_records(DATA)), args.rows))
+    records = list(itertools.islice(itertools.cycle(iter_records(args.data)), args.rows))
 
-    results = []
+    results, engine = [], None
     for mode in args.modes:
         name, kv_cache = MODES[mode]
         size = 1 if mode == "single" else args.batch_size
-        if mode == "vllm":  # the engine's start is not timed; it batches continuously (no batch size)
-            generator, size = vllm_generator(model_dir, model, tokenizer, max_new_tokens=args.max_new_tokens), "-"
+        if mode.startswith("vllm"):  # one engine, its start not timed; it batches continuously (no batch size)
+            engine = engine or vllm_generator(model_dir, model, tokenizer, max_new_tokens=args.max_new_tokens,
+                                              temperature=args.temperature)
+            generator, size = (engine if mode == "vllm" else DepthByDepth(engine)), "-"
         else:
             generator = hf_generator(model, tokenizer, batch_size=size, max_new_tokens=args.max_new_tokens,
-                                     kv_cache=kv_cache)
+                                     kv_cache=kv_cache, temperature=args.temperature)
         warm = regenerate(generator, model, tokenizer, records[:args.batch_size])[1]
+        if engine is not None:
+            engine.llm.reset_prefix_cache()  # every mode starts from a cold prefix cache
         stats, seconds, rows = regenerate(generator, model, tokenizer, records)
         results.append((name, size, warm, stats, seconds, assistant_turns(rows)))
         del generator
 
     model_name = args.model or f"llama shape {args.shape}, Llama-3.1 vocab"
     print(f"model {model_name} ({str(model.dtype).removeprefix('torch.')}, {model.device}, {args.threads} threads); "
-          f"{args.rows} conversations, greedy, max_new_tokens={args.max_new_tokens}")
+          f"{args.rows} conversations of {args.data.name}, "
+          f"{f'temperature {args.temperature}' if args.temperature else 'greedy'}, max_new_tokens={args.max_new_tokens}")
     header = (f"{'mode':<16} {'batch':>5} {'warm-up s':>9} {'turns':>6} {'new tokens':>10} {'seconds':>8} "
               f"{'tokens/s':>9} {'vs first':>8} {'same turns':>10}")
     print(header + "\n" + "-" * len(header))

@@ -100,11 +100,13 @@ def regenerate_units(cfg: DictConfig, source: CappedSource, regenerator: Convers
     on_finished = (lambda unit_records: progress.update(len(unit_records), 0)) if workers.world_size == 1 else None
     for unit, unit_records in claimed_units(source.records, cfg.output.shard_size, done, claims,
                                             on_finished=on_finished, every_unit=units):
-        torch.manual_seed(unit_seed(cfg.regenerate.seed, unit))
+        seed = unit_seed(cfg.regenerate.seed, unit)
+        torch.manual_seed(seed)  # engine=hf samples from torch's RNG; vLLM seeds each request from `seed`
         shown = []  # rows already counted on the bar as their chunk finished
         result = regenerator.regenerate(unit_records, on_batch=lambda tokens: progress.update(0, tokens),
                                         on_rows=lambda n: (shown.append(n), progress.update(n, 0)),
-                                        chunk_rows=None if cfg.engine.name == "vllm" else cfg.regenerate.batch_size)
+                                        chunk_rows=None if cfg.engine.name == "vllm" else cfg.regenerate.batch_size,
+                                        seed=seed)
         lease.check()
         write_part(out_dir, unit, result.rows,
                    {"stats": result.stats, "rejected": [rejection.to_json() for rejection in result.rejections],

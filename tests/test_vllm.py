@@ -255,6 +255,29 @@ def test_regenerate_vllm_greedy_equals_hf_greedy_float32(llama, data, tmp_path):
     assert got["generation"]["backend"].startswith("vllm")
 
 
+def test_regenerate_vllm_sampled_row_does_not_depend_on_the_rows_beside_it(llama, data, tmp_path):
+    """engine=vllm submits a conversation's next turn as soon as its previous one is back (continuous batching) and
+    seeds each request from the part's seed and the request's source row, message and draw: a re-run writes the same
+    parts, and a row's sampled turns are the same when the other rows of its part change and one fewer follows (so
+    its second turn is no longer the same request of its depth, nor the same step of the engine)."""
+    changed = tmp_path / "changed.jsonl"
+    lines = data.read_text().splitlines()
+    assert json.loads(lines[1])["id"] == "r1" and len(json.loads(lines[1])["messages"]) == 5  # two turns
+    changed.write_text("\n".join([*lines[:2], *(line.replace(" beta", " beta beta") for line in lines[2:-1])]) + "\n")
+    overrides = [f"model.path={llama}", "runtime.progress=false", "output.shard_size=16",
+                 "regenerate.temperature=1.0", "regenerate.max_new_tokens=8"]
+    for source, name in ((data, "a"), (data, "b"), (changed, "c")):
+        run_vllm("regenerate", *overrides, f"data.path={source}", f"output.dir={tmp_path / name}")
+    parts = {name: [json.loads(line) for line in (tmp_path / name / "part-00000.jsonl").read_text().splitlines()]
+             for name in "abc"}
+    assert parts["a"] == parts["b"]
+    assert [row["id"] for row in parts["a"][:2]] == ["r0", "r1"] and parts["a"][:2] == parts["c"][:2]
+    assert len(parts["c"]) == len(parts["a"]) - 1
+    assert [row["messages"] for row in parts["a"][2:-1]] != [row["messages"] for row in parts["c"][2:]]
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert manifest["generation"]["seeding"].startswith("each request seeded with derived_seed(")
+
+
 def test_sampled_regeneration_on_a_cpu_prefills_every_prompt_whole():
     """vLLM's CPU worker rewinds a seeded request's generator after a split prefill step, which a CPU generator refuses
     ('CPU Generator does not use offset': SmolLM2, 200 rows, engine=vllm, sampled, died in its first part). Sampled

@@ -18,6 +18,7 @@ The generation settings are exactly the ones in `Sampling`: the checkpoint's own
 carry top_k, repetition_penalty, ...) is replaced, so the manifest records everything that shaped the text.
 """
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -85,10 +86,22 @@ class _Request:
 KV_CACHES = ("dynamic", "static")
 BACKENDS = {"dynamic": "transformers generate: left-padded batches, KV cache",
             "static": "transformers generate: left-padded batches of one shape, static KV cache"}
+SEEDING = "torch.manual_seed(unit_seed(seed, part index)) before each part, so a part's text does not depend on " \
+          "which process made it or on what ran before"
+
+
+def derived_seed(*key: int) -> int:
+    """A 63-bit seed derived from the integers of `key` (a run's seed and a part index; a part's seed and a request's
+    source row, message and draw): the same whatever else is generated beside it."""
+    return int.from_bytes(hashlib.sha256(":".join(map(str, key)).encode()).digest()[:8], "little") >> 1
 
 
 class Generator:
     """Complete many prompts with one model, in left-padded batches.
+
+    A regenerator drives it with `submit` (a request: key, prompt, seed) and `collect` (completions of submitted
+    requests); this generator completes everything submitted at each `collect`, so turns go depth by depth, and its
+    sampling draws from torch's RNG in submission order (`SEEDING`): a request's seed is not used.
 
     batch_size: at most this many prompts decode together.
     batch_tokens: at most this many KV-cache positions per batch, counted as
@@ -110,6 +123,8 @@ class Generator:
         self.batch_tokens = batch_tokens
         self.kv_cache = kv_cache
         self.backend = BACKENDS[kv_cache]
+        self.seeding = SEEDING
+        self._submitted: list[tuple[int, list[int]]] = []
         self.stop_token_ids = stop_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else self.stop_token_ids[0]  # any id: the mask hides it
@@ -123,6 +138,16 @@ class Generator:
     @property
     def device(self) -> torch.device:
         return self.model.get_input_embeddings().weight.device
+
+    def submit(self, key: int, prompt: list[int], seed: int) -> None:
+        """Queue a request; `collect` completes it. `seed` is not used (this generator samples from torch's RNG)."""
+        self._submitted.append((key, prompt))
+
+    def collect(self, on_batch: Callable[[int], None] | None = None) -> list[tuple[int, Completion]]:
+        """(key, completion) of every request submitted since the last call, in submission order."""
+        submitted, self._submitted = self._submitted, []
+        return [(key, completion) for (key, _), completion
+                in zip(submitted, self.complete([prompt for _, prompt in submitted], on_batch))]
 
     def complete(self, prompts: Sequence[list[int]],
                  on_batch: Callable[[int], None] | None = None) -> list[Completion]:

@@ -1,7 +1,6 @@
 """What `specgen.regenerate` builds from its config: the target (or, for engine=vllm, its class on the meta device),
 the prompt limits, the generator and turn policy, and the settings that shaped the text (for the manifest)."""
 
-import hashlib
 import json
 
 import torch
@@ -11,16 +10,13 @@ from transformers import AutoConfig
 from specgen.capture.target import load_target
 from specgen.config import to_container
 from specgen.errors import SpecgenError
-from specgen.regen.engine import Generator, Sampling, static_shape
+from specgen.regen.engine import Generator, Sampling, derived_seed, static_shape
 from specgen.regen.turns import ConversationRegenerator, TurnPolicy
-
-SEEDING = "torch.manual_seed(unit_seed(seed, part index)) before each part, so a part's text does not depend on " \
-          "which process made it or on what ran before"
 
 
 def unit_seed(seed: int, unit: int) -> int:
     """The sampling seed of one work unit, derived from the run's seed and the unit index."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{unit}".encode()).digest()[:8], "little") >> 1
+    return derived_seed(seed, unit)
 
 
 def template_kwargs(cfg: DictConfig, tokenizer) -> dict:
@@ -92,7 +88,6 @@ def build_regenerator(cfg: DictConfig, tokenizer, model) -> ConversationRegenera
     if cfg.engine.name == "vllm":
         from specgen.regen.vllm import VllmGenerator
 
-
         generator = VllmGenerator(cfg.model.path, model, tokenizer, sampling, engine=to_container(cfg.engine),
                                   seed=int(settings.seed), max_model_len=max_model_len)
     else:
@@ -113,7 +108,8 @@ def generation_settings(cfg: DictConfig, regenerator: ConversationRegenerator) -
     """Everything that shaped the generated text, for the manifest (and, minus speed knobs, the identity)."""
     sampling = regenerator.generator.sampling
     return {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-            "max_new_tokens": sampling.max_new_tokens, "seed": cfg.regenerate.seed, "seeding": SEEDING,
+            "max_new_tokens": sampling.max_new_tokens, "seed": cfg.regenerate.seed,
+            "seeding": regenerator.generator.seeding,
             "thinking": cfg.regenerate.thinking, "chat_template_kwargs": regenerator.chat_template_kwargs,
             "turns": regenerator.policy.turns, "user_turns": regenerator.policy.user_turns,
             "on_truncated": regenerator.policy.on_truncated,

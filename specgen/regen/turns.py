@@ -2,8 +2,11 @@
 
 Turn k of a conversation is generated from the conversation so far, rendered with the chat template and its
 generation prompt, where turns before k are already the target's own: the context is on-policy, as when serving.
-Conversations are processed together depth by depth (every conversation's first regenerated turn, then every
-second one, ...), so each depth is one list of independent prompts that the `Generator` batches.
+Every conversation's next turn is submitted to the generator as soon as its previous one comes back: a continuously
+batching engine (vLLM) keeps decoding the others meanwhile, and the transformers `Generator`, which completes all
+it was given at once, goes depth by depth (every conversation's first regenerated turn, then every second one, ...).
+Each request carries a seed derived from the part's seed and its source row, message and draw, so an engine that
+seeds each request samples a turn the same way whatever the order in which the turns come back.
 
 Which turns: every assistant turn (`turns=all`) or only the final one (`turns=last`). Assistant turns that call
 tools are kept verbatim: the tool turns that follow hold the results of exactly those calls, so a different call
@@ -38,7 +41,7 @@ from specgen.data.formats import Conversation, Pretokenized, normalize, record_i
 from specgen.data.prepare import ON_BAD_ROW, Rejection
 from specgen.data.sources import SourceRecord
 from specgen.errors import RowError, SpecgenError
-from specgen.regen.engine import Completion, Generator
+from specgen.regen.engine import Completion, Generator, derived_seed
 from specgen.regen.reply import assistant_reply, renders_reasoning
 
 TURNS = ("all", "last")
@@ -164,11 +167,13 @@ class ConversationRegenerator:
                                "decoding writes the same first user turn in every row")
 
     def regenerate(self, records: Iterable[SourceRecord], on_batch: Callable[[int], None] | None = None, *,
-                   on_rows: Callable[[int], None] | None = None, chunk_rows: int | None = None) -> UnitResult:
+                   on_rows: Callable[[int], None] | None = None, chunk_rows: int | None = None,
+                   seed: int = 0) -> UnitResult:
         """Regenerate a group of source rows (one work unit); output rows keep the source order.
 
         chunk_rows: regenerate every turn of `chunk_rows` rows before starting the next ones (None: all at once), and
         call `on_rows(n)` as each chunk's n rows finish, so progress is reported per row, not per unit.
+        seed: the unit's seed, from which each request's seed is derived (`derived_seed`).
         """
         stats = Counter()
         rows: list[_Row] = []
@@ -183,11 +188,7 @@ class ConversationRegenerator:
         chunk = chunk_rows or max(len(rows), 1)
         for start in range(0, len(rows), chunk):
             group = rows[start:start + chunk]
-            while waiting := [row for row in group if row.waiting]:
-                ready = [(row, prompt) for row in waiting if (prompt := self._prompt(row, stats)) is not None]
-                completions = self.generator.complete([prompt.ids for _, prompt in ready], on_batch)
-                for (row, prompt), completion in zip(ready, completions):
-                    self._accept(row, prompt.text, completion, stats)
+            self._run(group, stats, seed, on_batch)
             if on_rows is not None:
                 on_rows(len(group))
 
@@ -200,6 +201,21 @@ class ConversationRegenerator:
         unit_stats["dropped"] = dict(Counter(r.reason for r in rejections if r.reason in POLICY_REASONS))
         unit_stats["rejected"] = dict(Counter(r.reason for r in rejections if r.reason not in POLICY_REASONS))
         return UnitResult([row.output() for row in kept], rejections, unit_stats)
+
+    def _run(self, rows: list[_Row], stats: Counter, seed: int, on_batch: Callable[[int], None] | None) -> None:
+        """Regenerate every turn of `rows`, submitting a row's next turn as soon as its previous one comes back."""
+        in_flight: dict[int, tuple[_Row, _Prompt]] = {}
+        while True:
+            for key, row in enumerate(rows):
+                if key not in in_flight and row.waiting and (prompt := self._prompt(row, stats)) is not None:
+                    in_flight[key] = row, prompt
+                    position = row.targets[row.done]
+                    self.generator.submit(key, prompt.ids, derived_seed(seed, row.source_index, position, row.redraws))
+            if not in_flight:
+                return
+            for key, completion in self.generator.collect(on_batch):
+                row, prompt = in_flight.pop(key)
+                self._accept(row, prompt.text, completion, stats)
 
     def _plan(self, source: SourceRecord) -> _Row:
         if source.error is not None:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,7 @@ def run_launched(cmd: list[str], *, timeout: float, env: dict | None = None, cwd
     except subprocess.TimeoutExpired:
         out, err = "", ""
         for sig, grace in ((signal.SIGABRT, 10), (signal.SIGKILL, 30)):
-            _signal_group(proc.pid, sig)
+            _signal_launch(proc.pid, sig)
             try:
                 out, err = proc.communicate(timeout=grace)
                 break
@@ -87,7 +88,7 @@ def run_launched(cmd: list[str], *, timeout: float, env: dict | None = None, cwd
         pytest.fail(f"{' '.join(map(str, cmd[:6]))} ... did not end within {timeout} s; the stacks of its processes "
                     f"(SIGABRT):\n{(err or '')[-12000:]}\n{(out or '')[-3000:]}")
     except BaseException:  # its own session: a Ctrl-C of the tests does not reach it, so it ends here
-        _signal_group(proc.pid, signal.SIGKILL)
+        _signal_launch(proc.pid, signal.SIGKILL)
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
@@ -97,6 +98,36 @@ def _signal_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except ProcessLookupError:  # every process of the group already ended
         pass
+
+
+def _signal_launch(pid: int, sig: int) -> None:
+    """`sig` to every process a launcher started, then to its own group: torch's elastic agent starts each worker in
+    a session of its own, which a signal to the launcher's group does not reach. The workers go first, so their
+    stacks are printed (to the stderr they share with the launcher) before the launcher ends."""
+    for child in _descendants(pid):
+        try:
+            os.kill(child, sig)
+        except ProcessLookupError:
+            pass
+    time.sleep(2 if sig == signal.SIGABRT else 0)
+    _signal_group(pid, sig)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid`, from /proc (empty where there is none)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
 
 
 _REPLAYER: dict = {}  # this test process's `tests/vllm_replay.py --serve` (started by the first in-process replay)

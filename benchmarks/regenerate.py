@@ -2,16 +2,19 @@
 batched with the static one (`regenerate.kv_cache=static`), side by side; with `--modes ... vllm` (run by the python
 of vLLM's venv, `.ci/vllm-venv`) vLLM's engine beside them (`engine=vllm`: its default settings, continuous batching:
 a conversation's next turn is submitted as soon as its previous one is back), and with `vllm-depth` the same engine
-driven depth by depth (every conversation's first turn, then every second one, ...: how specgen drove it before).
+driven depth by depth (every conversation's first turn, then every second one, ...: how specgen drove it before),
+and with `vllm-full` the same engine running every turn to its end (no loop watch: how specgen ran it before a looping
+turn was stopped at the token that makes it loop; `--on-loop drop|resample`, as `regenerate.on_loop`).
 
 Every mode runs specgen's regeneration path (chat template, turn-by-turn on-policy context, decode) on the same
 model and conversations, in one process, differing only in `regenerate.batch_size` and `regenerate.kv_cache` (and
 `engine.name` for the vllm mode).
 Greedy decoding by default, so every mode must write the same text (the table says how many turns agree with the
-first mode; low-precision kernels may break rare near-ties differently in a batch). A random model rarely ends its
-turns early, so the modes generate the same number of tokens. The schedules differ where turns end at different
-lengths: a real model (--model) on real conversations (--data), sampled (--temperature; every request is seeded
-from its row, message and draw, so both vLLM schedules draw the same turns up to float rounding).
+first mode, and "speed" its seconds over each mode's; low-precision kernels may break rare near-ties differently in
+a batch). A random model rarely ends its turns early, so the modes generate the same number of tokens. The
+schedules differ where turns end at different lengths: a real model (--model) on real conversations (--data),
+sampled (--temperature; every request is seeded from its row, message and draw, so both vLLM schedules draw the
+same turns up to float rounding).
 
 Each mode first runs once untimed on the first --batch-size conversations with the same settings (kernels,
 allocator; with the static cache on CUDA, transformers compiles the decoding step then: "warm-up s" in the table),
@@ -24,11 +27,13 @@ or --model DIR, any local Hugging Face model folder.
 
   python benchmarks/regenerate.py [--rows 32] [--max-new-tokens 32] [--batch-size 32] [--threads 2]
       [--shape small|smollm2 | --model DIR] [--dtype float32] [--device cpu|cuda] [--data FILE] [--temperature 0]
-      [--modes single dynamic static vllm vllm-depth]
+      [--on-loop keep|drop|resample] [--modes single dynamic static vllm vllm-depth vllm-full]
 vLLM's two schedules on SmolLM2-135M-Instruct and its prompt mix (`python -m specgen.assets.smollm2 [--prompts F]`):
   VLLM_CPU_KVCACHE_SPACE=6 VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=2 .venv-vllm/bin/python \
       benchmarks/regenerate.py --model M --data F --rows 64 --max-new-tokens 256 --temperature 0.7 \
       --modes vllm vllm-depth
+Stopping looping turns, as #42's kept replies are made (add --on-loop resample to the command above):
+      --on-loop resample --modes vllm vllm-full
 On one GPU (about 2 minutes):
   python benchmarks/regenerate.py --device cuda --dtype bfloat16 --shape smollm2 --rows 512 --batch-size 128 \\
       --max-new-tokens 256 --modes dynamic static
@@ -48,7 +53,7 @@ DATA = SHARED / "datasets" / "sharegpt_fastchat_dummy.json"
 SHAPES = {"small": SMALL, "smollm2": SMOLLM2_135M}
 MODES = {"single": ("one at a time", "dynamic"), "dynamic": ("batched", "dynamic"),
          "static": ("batched, static", "static"), "vllm": ("vLLM engine", None),
-         "vllm-depth": ("vLLM, by depth", None)}
+         "vllm-depth": ("vLLM, by depth", None), "vllm-full": ("vLLM, full draws", None)}
 MAX_PROMPT_TOKENS = 1024  # the longest prompt regenerated (a static cache holds this + max_new_tokens a row)
 
 
@@ -94,11 +99,22 @@ class DepthByDepth:
         return done
 
 
-def regenerate(generator, model, tokenizer, records):
+class FullDraws(DepthByDepth):
+    """specgen's vLLM generator with no loop watch: every turn runs to a stop token or max_new_tokens."""
+
+    def __init__(self, generator):
+        super().__init__(generator)
+        self.collect = generator.collect
+
+    def submit(self, key, prompt, seed, watch=None):
+        self.generator.submit(key, prompt, seed)
+
+
+def regenerate(generator, model, tokenizer, records, on_loop: str = "drop"):
     """Regenerate `records` with `generator`: (unit stats, seconds, output rows)."""
     from specgen.regen.turns import ConversationRegenerator, TurnPolicy
 
-    regenerator = ConversationRegenerator(tokenizer, generator, TurnPolicy(on_empty="keep"),
+    regenerator = ConversationRegenerator(tokenizer, generator, TurnPolicy(on_empty="keep", on_loop=on_loop),
                                           max_prompt_tokens=MAX_PROMPT_TOKENS)
     synchronize(model.device)
     start = time.perf_counter()
@@ -128,6 +144,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--data", type=Path, default=DATA, help="conversations (JSON/JSONL), repeated if needed")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--on-loop", choices=("keep", "drop", "resample"), default="drop",
+                        help="regenerate.on_loop: what a looping turn does (resample needs --temperature > 0)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -150,14 +168,15 @@ def main() -> None:
         if mode.startswith("vllm"):  # one engine, its start not timed; it batches continuously (no batch size)
             engine = engine or vllm_generator(model_dir, model, tokenizer, max_new_tokens=args.max_new_tokens,
                                               temperature=args.temperature)
-            generator, size = (engine if mode == "vllm" else DepthByDepth(engine)), "-"
+            generator = {"vllm": engine, "vllm-depth": DepthByDepth(engine), "vllm-full": FullDraws(engine)}[mode]
+            size = "-"
         else:
             generator = hf_generator(model, tokenizer, batch_size=size, max_new_tokens=args.max_new_tokens,
                                      kv_cache=kv_cache, temperature=args.temperature)
-        warm = regenerate(generator, model, tokenizer, records[:args.batch_size])[1]
+        warm = regenerate(generator, model, tokenizer, records[:args.batch_size], args.on_loop)[1]
         if engine is not None:
             engine.llm.reset_prefix_cache()  # every mode starts from a cold prefix cache
-        stats, seconds, rows = regenerate(generator, model, tokenizer, records)
+        stats, seconds, rows = regenerate(generator, model, tokenizer, records, args.on_loop)
         results.append((name, size, warm, stats, seconds, assistant_turns(rows)))
         del generator
 
@@ -165,16 +184,17 @@ def main() -> None:
     print(f"model {model_name} ({str(model.dtype).removeprefix('torch.')}, {model.device}, {args.threads} threads); "
           f"{args.rows} conversations of {args.data.name}, "
           f"{f'temperature {args.temperature}' if args.temperature else 'greedy'}, max_new_tokens={args.max_new_tokens}")
-    header = (f"{'mode':<16} {'batch':>5} {'warm-up s':>9} {'turns':>6} {'new tokens':>10} {'seconds':>8} "
-              f"{'tokens/s':>9} {'vs first':>8} {'same turns':>10}")
+    header = (f"{'mode':<16} {'batch':>5} {'warm-up s':>9} {'rows':>5} {'turns':>6} {'stopped':>7} "
+              f"{'new tokens':>10} {'seconds':>8} {'tokens/s':>9} {'speed':>6} {'same turns':>10}")
     print(header + "\n" + "-" * len(header))
-    base = results[0][3]["new_tokens"] / results[0][4]
     for name, size, warm, stats, seconds, turns in results:
-        rate = stats["new_tokens"] / seconds
         same = sum(a == b for a, b in zip(results[0][5], turns))
-        print(f"{name:<16} {size:>5} {warm:>9.1f} {stats['regenerated_turns']:>6} {stats['new_tokens']:>10,} "
-              f"{seconds:>8.1f} {rate:>9,.0f} {rate / base:>7.2f}x {same:>5}/{len(turns)}")
-
+        print(f"{name:<16} {size:>5} {warm:>9.1f} {stats['rows']:>5} {stats['regenerated_turns']:>6} "
+              f"{stats['loop_stopped_turns']:>7} {stats['new_tokens']:>10,} {seconds:>8.1f} "
+              f"{stats['new_tokens'] / seconds:>9,.0f} {results[0][4] / seconds:>5.2f}x {same:>5}/{len(turns)}")
+    print("rows: kept conversations; turns: kept draws; stopped: looping draws stopped at the token that made them "
+          "loop; speed: the first mode's seconds / this mode's (same rows); same turns: kept turns equal to the "
+          "first mode's")
 
 if __name__ == "__main__":
     main()

@@ -552,6 +552,30 @@ def test_the_loop_rule_counts_repeats_of_an_ngram():
         TurnPolicy(loop_ngram=0)
 
 
+def test_the_loop_watch_fires_at_the_token_that_makes_a_turn_loop_and_stays_fired():
+    """`LoopWatch` fed token by token (as vLLM streams a turn) agrees with the rule on every prefix, so a generator
+    that stops a turn at its first True stops it exactly where the turn began to loop: any longer draw loops too."""
+    import random
+
+    from specgen.regen.engine import LoopWatch
+    from specgen.regen.turns import TurnPolicy
+
+    rng = random.Random(0)
+    fired = 0
+    for trial in range(200):
+        ngram, repeats = rng.randint(1, 4), rng.randint(0, 3)
+        tokens = [rng.randint(0, 4) for _ in range(rng.randint(0, 40))]
+        policy, watch = TurnPolicy(loop_ngram=ngram, loop_repeats=repeats), LoopWatch(ngram, repeats)
+        flags = [watch.extend(tokens[i:i + 1]) for i in range(len(tokens))]
+        assert flags == [policy.loops(tokens[:i + 1]) for i in range(len(tokens))]
+        assert flags == sorted(flags)  # False, ..., False, True, ...: once looping, always looping
+        assert LoopWatch(ngram, repeats).extend(tokens) == policy.loops(tokens)
+        fired += any(flags)
+    assert 0 < fired < 200
+    assert TurnPolicy(on_loop="keep").watch() is None and TurnPolicy(loop_repeats=0).watch() is None
+    assert TurnPolicy(on_loop="resample").watch() is not None
+
+
 def test_looping_turns_are_counted_and_dropped_by_policy(switch_model, tmp_path):
     """The switch model writes '#' (one token) until it stops: a turn of 7+ '#' repeats the 4-gram '####' more
     than 3 times, which the documented rule calls a loop (here truncated turns loop too)."""

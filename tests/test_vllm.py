@@ -278,6 +278,29 @@ def test_regenerate_vllm_sampled_row_does_not_depend_on_the_rows_beside_it(llama
     assert manifest["generation"]["seeding"].startswith("each request seeded with derived_seed(")
 
 
+def test_regenerate_vllm_stops_a_looping_turn_where_it_loops_and_writes_what_hf_writes(llama, data, tmp_path):
+    """engine=vllm aborts a turn at the token that makes it loop (regenerate.on_loop=drop here; resample alike): the
+    turn's row is dropped as when the turn runs to max_new_tokens, which engine=hf does. Greedy float32, so both must
+    write the same parts and the same rejections; vLLM generates fewer tokens, the difference in the stopped turns."""
+    overrides = [f"model.path={llama}", f"data.path={data}", "runtime.progress=false", "output.shard_size=4",
+                 "regenerate.temperature=0", "regenerate.max_new_tokens=32", "regenerate.loop_ngram=1",
+                 "regenerate.loop_repeats=9"]  # this random model repeats a token 16-26 times in most turns, 6-8 in 2
+    run_vllm("regenerate", *overrides, f"output.dir={tmp_path / 'vllm'}")
+    run_hf("regenerate", *overrides, f"output.dir={tmp_path / 'hf'}")
+    parts = sorted(p.name for p in (tmp_path / "hf").glob("part-*.jsonl"))
+    assert parts and parts == sorted(p.name for p in (tmp_path / "vllm").glob("part-*.jsonl"))
+    for name in parts:
+        assert (tmp_path / "vllm" / name).read_text() == (tmp_path / "hf" / name).read_text()
+    rejected = [(tmp_path / d / "rejected.jsonl").read_text() for d in ("vllm", "hf")]
+    assert rejected[0] == rejected[1]
+    got, want = (json.loads((tmp_path / d / "manifest.json").read_text())["stats"] for d in ("vllm", "hf"))
+    stopped = got["loop_stopped_turns"]
+    assert want["dropped"].get("loop") and want["rows"], "the turns must mix loops and others"
+    assert stopped == got["loop_turns"] == want["loop_turns"] and want["loop_stopped_turns"] == 0
+    assert got["new_tokens"] < want["new_tokens"] and got["truncated_turns"] < want["truncated_turns"]
+    assert got["rows"] == want["rows"] and got["dropped"] == want["dropped"]
+
+
 def test_sampled_regeneration_on_a_cpu_prefills_every_prompt_whole():
     """vLLM's CPU worker rewinds a seeded request's generator after a split prefill step, which a CPU generator refuses
     ('CPU Generator does not use offset': SmolLM2, 200 rows, engine=vllm, sampled, died in its first part). Sampled

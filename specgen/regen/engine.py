@@ -19,7 +19,8 @@ carry top_k, repetition_penalty, ...) is replaced, so the manifest records every
 """
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,8 @@ class Completion:
     """One generated turn: its tokens without the stop token, and whether a stop token ended it."""
 
     token_ids: list[int]
-    finished: bool  # False: it reached max_new_tokens (truncated)
+    finished: bool  # False: it reached max_new_tokens (truncated), or its generator stopped it (`looped`)
+    looped: bool = False  # stopped at the token that made it loop (`LoopWatch`); the rest was not generated
 
     @property
     def num_generated(self) -> int:
@@ -90,6 +92,28 @@ SEEDING = "torch.manual_seed(unit_seed(seed, part index)) before each part, so a
           "which process made it or on what ran before"
 
 
+class LoopWatch:
+    """A turn's loop check, token by token: `extend(tokens)` is True once some run of `ngram` consecutive tokens has
+    occurred more than `repeats` times (overlapping occurrences count: a one-token cycle repeats every n-gram of
+    itself; `repeats` 0: never). Once True it stays True as tokens are added, so a generator may stop a turn at the
+    token that makes it loop: the rest of its draw would loop too, and the regenerator discards it either way."""
+
+    def __init__(self, ngram: int, repeats: int):
+        self.ngram, self.repeats = ngram, repeats
+        self.tokens: list[int] = []
+        self.counts: Counter = Counter()
+        self.looped = False
+
+    def extend(self, tokens: Iterable[int]) -> bool:
+        for token in tokens:
+            self.tokens.append(token)
+            if self.repeats and len(self.tokens) >= self.ngram:
+                gram = tuple(self.tokens[-self.ngram:])
+                self.counts[gram] += 1
+                self.looped = self.looped or self.counts[gram] > self.repeats
+        return self.looped
+
+
 def derived_seed(*key: int) -> int:
     """A 63-bit seed derived from the integers of `key` (a run's seed and a part index; a part's seed and a request's
     source row, message and draw): the same whatever else is generated beside it."""
@@ -99,9 +123,11 @@ def derived_seed(*key: int) -> int:
 class Generator:
     """Complete many prompts with one model, in left-padded batches.
 
-    A regenerator drives it with `submit` (a request: key, prompt, seed) and `collect` (completions of submitted
-    requests); this generator completes everything submitted at each `collect`, so turns go depth by depth, and its
-    sampling draws from torch's RNG in submission order (`SEEDING`): a request's seed is not used.
+    A regenerator drives it with `submit` (a request: key, prompt, seed, loop watch) and `collect` (completions of
+    submitted requests); this generator completes everything submitted at each `collect`, so turns go depth by depth,
+    and its sampling draws from torch's RNG in submission order (`SEEDING`): a request's seed is not used, nor its
+    loop watch (every turn runs to its end: a batch's rows share one RNG stream, so a batch that ended sooner would
+    change the text of every batch after it).
 
     batch_size: at most this many prompts decode together.
     batch_tokens: at most this many KV-cache positions per batch, counted as
@@ -109,6 +135,8 @@ class Generator:
     kv_cache: "dynamic" | "static" (see the module's docstring); static needs `max_length`, the longest prompt
         plus max_new_tokens, and decodes batches of min(batch_size, batch_tokens // max_length) rows.
     """
+
+    seeding = SEEDING
 
     def __init__(self, model: PreTrainedModel, tokenizer, sampling: Sampling, *, batch_size: int,
                  batch_tokens: int, kv_cache: str, max_length: int | None = None):
@@ -123,7 +151,6 @@ class Generator:
         self.batch_tokens = batch_tokens
         self.kv_cache = kv_cache
         self.backend = BACKENDS[kv_cache]
-        self.seeding = SEEDING
         self._submitted: list[tuple[int, list[int]]] = []
         self.stop_token_ids = stop_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
@@ -139,8 +166,8 @@ class Generator:
     def device(self) -> torch.device:
         return self.model.get_input_embeddings().weight.device
 
-    def submit(self, key: int, prompt: list[int], seed: int) -> None:
-        """Queue a request; `collect` completes it. `seed` is not used (this generator samples from torch's RNG)."""
+    def submit(self, key: int, prompt: list[int], seed: int, watch: LoopWatch | None = None) -> None:
+        """Queue a request; `collect` completes it. `seed` and `watch` are not used (see the class docstring)."""
         self._submitted.append((key, prompt))
 
     def collect(self, on_batch: Callable[[int], None] | None = None) -> list[tuple[int, Completion]]:

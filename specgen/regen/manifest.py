@@ -98,7 +98,9 @@ def print_summary(manifest: dict, out_dir: Path, new_tokens: int, rows: int, sec
                             f"(on_truncated={generation['on_truncated']})"),
         ("empty turns", f"{stats['empty_turns']:,} (on_empty={generation['on_empty']})"),
         ("looping turns", f"{stats.get('loop_turns', 0):,} repeat a run of {generation.get('loop_ngram')} tokens more "
-                          f"than {generation.get('loop_repeats')} times (on_loop={generation.get('on_loop')})"),
+                          f"than {generation.get('loop_repeats')} times (on_loop={generation.get('on_loop')})"
+                          + (f"; {stopped:,} stopped by the engine at the token that made them loop"
+                             if (stopped := stats.get("loop_stopped_turns", 0)) else "")),
         *([("resampled turns", f"{stats.get('resampled_turns', 0):,} draws discarded and drawn again (up to "
                                f"{generation['resample_tries']} more per turn; the counts above include them)")]
           if "resample_tries" in generation else []),

@@ -41,7 +41,7 @@ from specgen.data.formats import Conversation, Pretokenized, normalize, record_i
 from specgen.data.prepare import ON_BAD_ROW, Rejection
 from specgen.data.sources import SourceRecord
 from specgen.errors import RowError, SpecgenError
-from specgen.regen.engine import Completion, Generator, derived_seed
+from specgen.regen.engine import Completion, Generator, LoopWatch, derived_seed
 from specgen.regen.reply import assistant_reply, renders_reasoning
 
 TURNS = ("all", "last")
@@ -54,7 +54,7 @@ _USER_SENTINEL = "\u2063specgen-user-turn\u2063"
 POLICY_REASONS = ("truncated", "empty", "loop")
 # The per-unit counts, summed over units into the manifest.
 COUNTS = ("source_rows", "rows", "regenerated_turns", "new_tokens", "truncated_turns", "empty_turns", "loop_turns",
-          "resampled_turns", "cut_rows", "kept_tool_call_turns", "synthesized_user_turns")
+          "resampled_turns", "loop_stopped_turns", "cut_rows", "kept_tool_call_turns", "synthesized_user_turns")
 
 
 class _Prompt(NamedTuple):
@@ -91,12 +91,13 @@ class TurnPolicy:
 
     def loops(self, tokens: list[int]) -> bool:
         """True when some run of `loop_ngram` consecutive tokens occurs more than `loop_repeats` times in `tokens`
-        (overlapping occurrences count: a one-token cycle repeats every n-gram of itself)."""
-        if not self.loop_repeats:
-            return False
-        n = self.loop_ngram
-        counts = Counter(tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1))
-        return bool(counts) and max(counts.values()) > self.loop_repeats
+        (`LoopWatch`)."""
+        return LoopWatch(self.loop_ngram, self.loop_repeats).extend(tokens)
+
+    def watch(self) -> LoopWatch | None:
+        """A fresh loop check for a generator to stop a turn as soon as it loops; None where a looping turn is kept
+        (`on_loop=keep`) or never loops (`loop_repeats=0`), so every turn runs to its end."""
+        return LoopWatch(self.loop_ngram, self.loop_repeats) if self.on_loop != "keep" and self.loop_repeats else None
 
 
 @dataclass
@@ -210,7 +211,8 @@ class ConversationRegenerator:
                 if key not in in_flight and row.waiting and (prompt := self._prompt(row, stats)) is not None:
                     in_flight[key] = row, prompt
                     position = row.targets[row.done]
-                    self.generator.submit(key, prompt.ids, derived_seed(seed, row.source_index, position, row.redraws))
+                    self.generator.submit(key, prompt.ids, derived_seed(seed, row.source_index, position, row.redraws),
+                                          self.policy.watch())
             if not in_flight:
                 return
             for key, completion in self.generator.collect(on_batch):
@@ -290,8 +292,9 @@ class ConversationRegenerator:
         else:
             message = assistant_reply(text, prompt=prompt, split_reasoning=self.split_reasoning)
         stats["new_tokens"] += completion.num_generated
-        loops, empty = self.policy.loops(completion.token_ids), not message["content"].strip()
+        loops, empty = completion.looped or self.policy.loops(completion.token_ids), not message["content"].strip()
         stats["loop_turns"] += loops
+        stats["loop_stopped_turns"] += completion.looped
         stats["empty_turns"] += empty
         if self._redraw(row, loops, empty):
             stats["resampled_turns"] += 1
@@ -299,7 +302,7 @@ class ConversationRegenerator:
         stats["synthesized_user_turns" if role == "user" else "regenerated_turns"] += 1
         row.conversation.messages[position] = message
         row.done, row.redraws = row.done + 1, 0
-        if not completion.finished:
+        if not completion.finished and not completion.looped:
             stats["truncated_turns"] += 1
             if self.policy.on_truncated == "drop":
                 row.leave("truncated", f"the {role} turn at message {position} reached regenerate.max_new_tokens="

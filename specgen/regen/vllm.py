@@ -6,6 +6,10 @@ sampling settings are exactly `Sampling` (the checkpoint's generation_config onl
 
 Requests are continuously batched: `collect` steps the engine only until some request finishes, so the regenerator
 submits that conversation's next turn while the others decode, instead of waiting for the slowest turn of a depth.
+A request given a `LoopWatch` is aborted at the token that makes it loop (the engine streams every request's new
+tokens, `RequestOutputKind.DELTA`): its draw is discarded whatever follows (resampled or its row dropped), so the
+tokens it would have generated up to max_new_tokens are not generated. Under `on_loop=resample` a third of SmolLM2's
+new tokens were such draws and rows dropped after them.
 Each request carries its own sampling seed, derived from the part's seed and the request's source row, message and
 draw (`ConversationRegenerator`), so its seed does not depend on the schedule, on the other rows or on the process
 that made the part (its text can, where vLLM's logits differ by float rounding between batch shapes and a near-flat
@@ -21,10 +25,11 @@ tokens/s on 2 cores, 1.13x the same engine driven depth by depth with the same t
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specgen.errors import SpecgenError
-from specgen.regen.engine import Completion, Sampling, stop_token_ids
+from specgen.regen.engine import Completion, LoopWatch, Sampling, stop_token_ids
 from specgen.runtime.reaper import guard_job
 
 log = logging.getLogger(__name__)
@@ -66,33 +71,50 @@ class VllmGenerator:
         self.llm = LLM(model=str(path), dtype=str(model.dtype).removeprefix("torch."), max_model_len=max_model_len,
                        seed=seed, generation_config="vllm", **kwargs, **workaround)
         self.engine = self.llm.llm_engine
-        self.in_flight = 0
+        self.requests: dict[str, _Request] = {}  # in flight, by request id
+        self.submitted = 0
 
     def _params(self, seed: int):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         s = self.sampling
         sampling = {"temperature": 0.0} if s.greedy else {"temperature": s.temperature, "top_p": s.top_p,
                                                           "top_k": s.top_k if s.top_k > 0 else -1, "seed": seed}
         return SamplingParams(max_tokens=s.max_new_tokens, stop_token_ids=self.stop_token_ids, detokenize=False,
-                              skip_special_tokens=False, **sampling)
+                              skip_special_tokens=False, output_kind=RequestOutputKind.DELTA, **sampling)
 
-    def submit(self, key: int, prompt: list[int], seed: int) -> None:
-        """Hand a request to the engine, which schedules it at its next step; `seed` seeds its sampling."""
-        self.engine.add_request(str(key), {"prompt_token_ids": list(prompt)}, self._params(seed))
-        self.in_flight += 1
+    def submit(self, key: int, prompt: list[int], seed: int, watch: LoopWatch | None = None) -> None:
+        """Hand a request to the engine, which schedules it at its next step; `seed` seeds its sampling, `watch`
+        (if given) stops it at the token that makes it loop."""
+        request_id = f"{key}.{self.submitted}"  # unique: a redrawn turn's key comes back while its abort is pending
+        self.submitted += 1
+        self.engine.add_request(request_id, {"prompt_token_ids": list(prompt)}, self._params(seed))
+        self.requests[request_id] = _Request(key, watch)
 
     def collect(self, on_batch: Callable[[int], None] | None = None) -> list[tuple[int, Completion]]:
-        """(key, completion) of the requests that finish at the engine's next steps: at least one while any is in
-        flight, [] when none is; `on_batch(tokens generated)` with their tokens."""
-        finished = []
-        while self.in_flight and not finished:
+        """(key, completion) of the requests that finish, or are stopped as looping, at the engine's next steps: at
+        least one while any is in flight, [] when none is; `on_batch(tokens generated)` with their tokens."""
+        done: list[tuple[int, Completion]] = []
+        while self.requests and not done:
             if not self.engine.has_unfinished_requests():
-                raise SpecgenError(f"the vLLM engine holds none of the {self.in_flight} requests in flight; it was "
-                                   "used by something else meanwhile")
-            finished = [output for output in self.engine.step() if output.finished]
-            self.in_flight -= len(finished)
-        done = [(int(output.request_id), self._completion(list(output.outputs[0].token_ids))) for output in finished]
+                raise SpecgenError(f"the vLLM engine holds none of the {len(self.requests)} requests in flight; it "
+                                   "was used by something else meanwhile")
+            looping = []
+            for output in self.engine.step():
+                request = self.requests[output.request_id]
+                new = output.outputs[0].token_ids
+                request.tokens += new
+                if output.finished:
+                    done.append((request.key, self._completion(request.tokens)))
+                elif request.watch is not None and request.watch.extend(new):  # no stop token yet: it would finish
+                    done.append((request.key, Completion(request.tokens, finished=False, looped=True)))
+                    looping.append(output.request_id)
+                else:
+                    continue
+                del self.requests[output.request_id]
+            if looping:
+                self.engine.abort_request(looping)
         if on_batch is not None and done:
             on_batch(sum(completion.num_generated for _, completion in done))
         return done
@@ -103,3 +125,12 @@ class VllmGenerator:
             if token in self.stop_token_ids:
                 return Completion(tokens[:position], finished=True)
         return Completion(tokens, finished=False)
+
+
+@dataclass
+class _Request:
+    """A request in flight: its regenerator key, loop watch and the tokens generated so far."""
+
+    key: int
+    watch: LoopWatch | None
+    tokens: list[int] = field(default_factory=list)

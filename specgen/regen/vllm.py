@@ -8,8 +8,9 @@ Requests are continuously batched: `collect` steps the engine only until some re
 submits that conversation's next turn while the others decode, instead of waiting for the slowest turn of a depth.
 A request given a `LoopWatch` is aborted at the token that makes it loop (the engine streams every request's new
 tokens, `RequestOutputKind.DELTA`): its draw is discarded whatever follows (resampled or its row dropped), so the
-tokens it would have generated up to max_new_tokens are not generated. Under `on_loop=resample` a third of SmolLM2's
-new tokens were such draws and rows dropped after them.
+tokens it would have generated up to max_new_tokens are not generated. Measured: SmolLM2-135M, 64 rows sampled at
+0.7, on_loop=resample, 1.16x the same engine with every draw decoded to its end, the same 138 turns kept (23 draws
+stopped, 10% fewer tokens; the looping draws are often a part's slowest).
 Each request carries its own sampling seed, derived from the part's seed and the request's source row, message and
 draw (`ConversationRegenerator`), so its seed does not depend on the schedule, on the other rows or on the process
 that made the part (its text can, where vLLM's logits differ by float rounding between batch shapes and a near-flat

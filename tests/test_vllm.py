@@ -241,15 +241,20 @@ def test_options_vllm_cannot_produce_exactly_are_refused_at_config_time(llama, d
     assert time.time() - started < 60  # refused before an engine starts
 
 
-def test_regenerate_vllm_greedy_equals_hf_greedy_float32(llama, data, tmp_path):
-    overrides = [f"model.path={llama}", f"data.path={data}", "runtime.progress=false", "output.shard_size=4",
-                 "regenerate.temperature=0", "regenerate.max_new_tokens=8"]
+def regenerate_on_both(tmp_path: Path, overrides: list[str]) -> None:
+    """Regenerate with engine=vllm into tmp_path/vllm and engine=hf into tmp_path/hf; both write the same parts."""
     run_vllm("regenerate", *overrides, f"output.dir={tmp_path / 'vllm'}")
     run_hf("regenerate", *overrides, f"output.dir={tmp_path / 'hf'}")
     parts = sorted(p.name for p in (tmp_path / "hf").glob("part-*.jsonl"))
     assert parts and parts == sorted(p.name for p in (tmp_path / "vllm").glob("part-*.jsonl"))
     for name in parts:
         assert (tmp_path / "vllm" / name).read_text() == (tmp_path / "hf" / name).read_text()
+
+
+def test_regenerate_vllm_greedy_equals_hf_greedy_float32(llama, data, tmp_path):
+    overrides = [f"model.path={llama}", f"data.path={data}", "runtime.progress=false", "output.shard_size=4",
+                 "regenerate.temperature=0", "regenerate.max_new_tokens=8"]
+    regenerate_on_both(tmp_path, overrides)
     got, want = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("vllm", "hf"))
     assert got["stats"] == want["stats"] and got["stats"]["new_tokens"] > 0
     assert got["generation"]["backend"].startswith("vllm")
@@ -285,18 +290,12 @@ def test_regenerate_vllm_stops_a_looping_turn_where_it_loops_and_writes_what_hf_
     overrides = [f"model.path={llama}", f"data.path={data}", "runtime.progress=false", "output.shard_size=4",
                  "regenerate.temperature=0", "regenerate.max_new_tokens=32", "regenerate.loop_ngram=1",
                  "regenerate.loop_repeats=9"]  # this random model repeats a token 16-26 times in most turns, 6-8 in 2
-    run_vllm("regenerate", *overrides, f"output.dir={tmp_path / 'vllm'}")
-    run_hf("regenerate", *overrides, f"output.dir={tmp_path / 'hf'}")
-    parts = sorted(p.name for p in (tmp_path / "hf").glob("part-*.jsonl"))
-    assert parts and parts == sorted(p.name for p in (tmp_path / "vllm").glob("part-*.jsonl"))
-    for name in parts:
-        assert (tmp_path / "vllm" / name).read_text() == (tmp_path / "hf" / name).read_text()
+    regenerate_on_both(tmp_path, overrides)
     rejected = [(tmp_path / d / "rejected.jsonl").read_text() for d in ("vllm", "hf")]
     assert rejected[0] == rejected[1]
     got, want = (json.loads((tmp_path / d / "manifest.json").read_text())["stats"] for d in ("vllm", "hf"))
-    stopped = got["loop_stopped_turns"]
     assert want["dropped"].get("loop") and want["rows"], "the turns must mix loops and others"
-    assert stopped == got["loop_turns"] == want["loop_turns"] and want["loop_stopped_turns"] == 0
+    assert got["loop_stopped_turns"] == got["loop_turns"] == want["loop_turns"] and want["loop_stopped_turns"] == 0
     assert got["new_tokens"] < want["new_tokens"] and got["truncated_turns"] < want["truncated_turns"]
     assert got["rows"] == want["rows"] and got["dropped"] == want["dropped"]
 

@@ -21,8 +21,10 @@ def user_turns(conversation: Conversation) -> list[str]:
     return [message["content"] for message in conversation.messages if message["role"] == "user"]
 
 
-def assistant_turns(conversation: Conversation) -> list[str]:
-    return [message.get("content") for message in conversation.messages if message["role"] == "assistant"]
+def answers(conversation: Conversation) -> list[str]:
+    """The assistant turns that regeneration rewrites: a tool call's turn is kept as the source has it."""
+    return [message["content"] for message in conversation.messages
+            if message["role"] == "assistant" and not message.get("tool_calls")]
 
 
 @pytest.mark.parametrize("folder", FOLDERS, ids=[folder.name for folder in FOLDERS])
@@ -38,14 +40,19 @@ def test_a_kept_dataset_is_intact_and_answers_the_recipe_prompts(folder, tmp_pat
     assert len(rows) == sum(sidecar["stats"]["rows"] for sidecar in sidecars)
     assert len({row["id"] for row in rows}) == len(rows)  # one reply per prompt in a folder
     held = sum(sidecar["stats"]["source_rows"] for sidecar in sidecars)
-    rewritten = 0
+    written, same = 0, []
     for row in rows:
         index = by_id[row["id"]]
         assert index < held
         mine, source = normalize(row), normalize(prompts[index])
         asked = user_turns(mine)  # a row cut where a prompt grew past data.max_length keeps its first turns
         assert asked and asked == user_turns(source)[:len(asked)], row["id"]
-        rewritten += assistant_turns(mine) != assistant_turns(source)
-    assert rewritten == len(rows)  # the target's own answers, every row (a tool call's turn is kept, not every turn)
+        assert answers(mine), row["id"]  # every row has an answer the target wrote
+        written += len(answers(mine))
+        same += [mine for mine, theirs in zip(answers(mine), answers(source)) if mine == theirs]
+    # The target's own answers, not the source's: one may equal the source's only where the answer is short and
+    # determined by the question ("She is not doing the task."; "The average of the numbers you provided is 15.").
+    assert all(len(answer) <= 120 for answer in same), same
+    assert len(same) <= written // 100, f"{len(same)} of {written} answers are the source's"
     run = json.loads((folder / "run.json").read_text())["identity"]
     assert run["output.shard_size"] == 128 and run["data"]["path"] == "outputs/grow/prompts.jsonl"

@@ -82,15 +82,19 @@ def vllm_generator(model_dir: Path, model, tokenizer, *, max_new_tokens: int, te
                          max_model_len=MAX_PROMPT_TOKENS + max_new_tokens)
 
 
-class DepthByDepth:
-    """specgen's vLLM generator driven depth by depth: `collect` returns once every request in flight is done, so
-    a conversation's next turn waits for the slowest turn of the depth."""
+class Wrapped:
+    """specgen's vLLM generator with one behaviour changed; everything else is the generator's own."""
 
     def __init__(self, generator):
         self.generator = generator
 
     def __getattr__(self, name):
         return getattr(self.generator, name)
+
+
+class DepthByDepth(Wrapped):
+    """`collect` returns once every request in flight is done, so a conversation's next turn waits for the slowest
+    turn of the depth."""
 
     def collect(self, on_batch=None):
         done = []
@@ -99,12 +103,8 @@ class DepthByDepth:
         return done
 
 
-class FullDraws(DepthByDepth):
-    """specgen's vLLM generator with no loop watch: every turn runs to a stop token or max_new_tokens."""
-
-    def __init__(self, generator):
-        super().__init__(generator)
-        self.collect = generator.collect
+class FullDraws(Wrapped):
+    """No loop watch: every turn runs to a stop token or max_new_tokens."""
 
     def submit(self, key, prompt, seed, watch=None):
         self.generator.submit(key, prompt, seed)

@@ -14,7 +14,8 @@ from specgen.data.sources import capped_source
 from specgen.regen.parts import finished_parts, read_sidecar
 
 KEPT = REPO / "benchmarks" / "data" / "smollm2-135m"
-FOLDERS = sorted(path for path in KEPT.iterdir() if path.is_dir()) if KEPT.is_dir() else []
+# A folder whose first part is still being written (a regeneration running in this checkout) is not kept yet
+FOLDERS = sorted({path.parent for path in KEPT.glob("*/part-*.json")})
 
 
 def user_turns(conversation: Conversation) -> list[str]:

@@ -50,7 +50,7 @@ def test_a_kept_dataset_is_intact_and_answers_the_recipe_prompts(folder, tmp_pat
         assert asked and asked == user_turns(source)[:len(asked)], row["id"]
         assert answers(mine), row["id"]  # every row has an answer the target wrote
         written += len(answers(mine))
-        same += [mine for mine, theirs in zip(answers(mine), answers(source)) if mine == theirs]
+        same += [answer for answer, theirs in zip(answers(mine), answers(source)) if answer == theirs]
     # The target's own answers, not the source's: one may equal the source's only where the answer is short and
     # determined by the question ("She is not doing the task."; "The average of the numbers you provided is 15.").
     assert all(len(answer) <= 120 for answer in same), same

@@ -48,9 +48,10 @@ def test_a_kept_dataset_is_intact_and_answers_the_recipe_prompts(folder, tmp_pat
         mine, source = normalize(row), normalize(prompts[index])
         asked = user_turns(mine)  # a row cut where a prompt grew past data.max_length keeps its first turns
         assert asked and asked == user_turns(source)[:len(asked)], row["id"]
-        assert answers(mine), row["id"]  # every row has an answer the target wrote
-        written += len(answers(mine))
-        same += [answer for answer, theirs in zip(answers(mine), answers(source)) if answer == theirs]
+        wrote = answers(mine)
+        assert wrote, row["id"]  # every row has an answer the target wrote
+        written += len(wrote)
+        same += [answer for answer, theirs in zip(wrote, answers(source)) if answer == theirs]
     # The target's own answers, not the source's: one may equal the source's only where the answer is short and
     # determined by the question ("She is not doing the task."; "The average of the numbers you provided is 15.").
     assert all(len(answer) <= 120 for answer in same), same

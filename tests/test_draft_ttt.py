@@ -180,6 +180,57 @@ def test_long_rows_attend_in_chunks_exactly_like_one_dense_pass(monkeypatch, pac
         torch.testing.assert_close(chunked_grads[name], dense_grads[name], rtol=1e-4, atol=1e-6)
 
 
+def test_soft_cross_entropy_is_the_log_softmax_cross_entropy_and_its_gradient():
+    """The loss every TTT step scores: -sum_v p_v log softmax(z)_v, also where p is not normalised (rows of zeros:
+    positions no step requested) and at large logits; the same value and gradient as the plain formula."""
+    from specgen.draft.loss import soft_cross_entropy
+
+    torch.manual_seed(3)
+    logits = (torch.randn(6, 11) * torch.tensor([1, 1, 1, 1, 30, 1])[:, None]).requires_grad_()
+    target = torch.softmax(torch.randn(6, 11), dim=-1)
+    target[2] = 0
+    target[3] *= 0.5
+    got = soft_cross_entropy(logits, target)
+    (got * torch.arange(1.0, 7.0)).sum().backward()
+    mine, logits.grad = logits.grad, None
+    expected = -(target * F.log_softmax(logits, dim=-1)).sum(-1)
+    (expected * torch.arange(1.0, 7.0)).sum().backward()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mine, logits.grad, rtol=1e-5, atol=1e-6)
+    assert got[2] == 0 and torch.all(mine[2] == 0)
+
+
+def test_chunked_attention_recomputes_each_chunk_under_the_forwards_autocast():
+    """Backward recomputes every chunk in the forward's autocast state (bf16 here), so its gradient is that of the
+    computation the forward ran; key ranges that overlap add their gradients."""
+    from specgen.methods.eagle3.model import Chunk, attend_in_chunks
+
+    seen = []
+
+    def attend(q, keys, values, chain_keys, chain_values, documents, q_start):
+        product = q @ keys.transpose(2, 3)
+        seen.append((torch.is_grad_enabled(), product.dtype))
+        return product.float().softmax(-1).to(q.dtype) @ values
+
+    torch.manual_seed(4)
+    q, keys, values = (torch.randn(1, 2, 6, 4, requires_grad=True) for _ in range(3))
+    chunks = [Chunk(0, 3, 0, 3, 0), Chunk(3, 6, 1, 6, 2)]  # keys 1..2 are read by both chunks
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attend_in_chunks(attend, chunks, q, keys, values, None, None, None)
+    out.float().square().sum().backward()
+    assert seen == [(False, torch.bfloat16)] * 2 + [(True, torch.bfloat16)] * 2
+    grads = [t.grad.clone() for t in (q, keys, values)]
+    for t in (q, keys, values):
+        t.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = torch.cat([attend(*chunk.inputs(q, keys, values, None, None, None)) for chunk in chunks], dim=2)
+    reference.float().square().sum().backward()
+    assert torch.equal(out, reference)
+    for mine, plain in zip(grads, (q.grad, keys.grad, values.grad), strict=True):
+        torch.testing.assert_close(mine, plain, rtol=1e-2, atol=1e-2)
+    assert torch.all(grads[1][:, :, 1:3] != 0)
+
+
 def test_sample_starts_finds_where_each_sample_of_a_row_begins():
     from specgen.methods.eagle3.model import sample_starts
 

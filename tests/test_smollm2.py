@@ -180,7 +180,7 @@ def test_the_recipe_prompt_mix_interleaves_every_source(tmp_path):
     from specgen.data.sources import iter_records
 
     datasets = require_shared(DATASETS["alpaca"]).parent
-    out = tmp_path / "prompts.jsonl"
+    out = tmp_path / "grow" / "prompts.jsonl"  # a folder that does not exist yet, as in the data README's command
 
     total = smollm2.write_prompt_mix(out, datasets)
 

@@ -148,8 +148,8 @@ MIX = ("alpaca_en_demo.json", "sharegpt_fastchat_dummy.json", "sharegpt_glaive_t
 
 def write_prompt_mix(out: str | Path, datasets: str | Path) -> int:
     """Interleave the rows of the `MIX` files of `datasets` round-robin (a file that runs out drops out) into the
-    JSONL `out`, written atomically; returns the number of rows. Rows are copied as they are (each keeps its
-    format; the readers detect it per row)."""
+    JSONL `out` (its folder made if missing), written atomically; returns the number of rows. Rows are copied as
+    they are (each keeps its format; the readers detect it per row)."""
 
     sources = [iter_records(Path(datasets) / name) for name in MIX]
     lines = []
@@ -160,6 +160,7 @@ def write_prompt_mix(out: str | Path, datasets: str | Path) -> int:
                 sources.remove(source)
             elif record.record is not None:
                 lines.append(json.dumps(record.record, ensure_ascii=False) + "\n")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, "".join(lines))
     return len(lines)
 

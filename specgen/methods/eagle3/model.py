@@ -23,12 +23,12 @@ Both use the same code path, so what is trained is exactly what is served.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import transformers
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -110,6 +110,7 @@ class DraftKV:
         self.base_keys: torch.Tensor | None = None
         self.base_values: torch.Tensor | None = None
         self.chain: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._chunks: tuple[tuple[int, int, int], list[Chunk]] | None = None  # `chunks`' plan and what it is for
 
     @property
     def base_length(self) -> int:
@@ -131,6 +132,23 @@ class DraftKV:
 
     def drop_chain(self) -> None:
         self.chain = []
+
+    def chunks(self, n: int, size: int) -> list["Chunk"]:
+        """The query chunks of `size` for the last n of the base entries, each over the keys its queries can see
+        (from the earliest sample start of its first query); computed once per batch (one device-to-host copy)
+        and kept while the base entries stay."""
+        key = (n, size, self.base_length)
+        if self._chunks is None or self._chunks[0] != key:
+            base_length = self.base_length
+            starts = (sample_starts(self.document_ids[:, :base_length]).min(dim=0).values.tolist()
+                      if self.document_ids is not None else None)
+            plan = []
+            for lo in range(0, n, size):
+                hi, first = min(lo + size, n), base_length - n + lo  # queries [lo, hi) sit at base indices first..
+                key_lo = starts[first] if starts is not None else 0
+                plan.append(Chunk(lo, hi, key_lo, base_length - n + hi, first - key_lo))
+            self._chunks = (key, plan)
+        return self._chunks[1]
 
     def crop(self, length: int) -> None:
         """Keep the first `length` base entries (decoding: forget positions the target rejected)."""
@@ -175,31 +193,23 @@ class DraftAttention(nn.Module):
         sequence, in decoding it is the newly verified positions (base step) or the last position (chain step).
         Up to ATTENTION_CHUNK score elements this is one dense pass; above it (long training rows) the queries
         run in chunks, each over the keys its queries can see (from the first one's sample start to its own
-        index), recomputed in backward (`torch.utils.checkpoint`), so memory grows linearly with the row.
+        index), recomputed in backward (`attend_in_chunks`), so memory grows linearly with the row.
         """
         n, base_length = q.shape[2], kv.base_length
         chain_keys = torch.stack([k for k, _ in kv.chain], dim=-2) if kv.chain else None  # [B, Hkv, n, steps, d]
         chain_values = torch.stack([v for _, v in kv.chain], dim=-2) if kv.chain else None
         budget = ATTENTION_CHUNK.get(q.device.type, ATTENTION_CHUNK["cpu"])
         size = max(1, budget // (q.shape[0] * q.shape[1] * base_length))
+        documents = None if kv.document_ids is None else kv.document_ids[:, :base_length]
         if size >= n:
-            documents = None if kv.document_ids is None else kv.document_ids[:, :base_length]
             return self._attend_rows(q, kv.base_keys, kv.base_values, chain_keys, chain_values, documents,
                                      base_length - n)
-        # where the earliest sample of any row starts at each index (one device-to-host copy per step)
-        starts = sample_starts(kv.document_ids).min(dim=0).values.tolist() if kv.document_ids is not None else None
-        outs = []
-        for lo in range(0, n, size):
-            hi, first = min(lo + size, n), base_length - n + lo  # queries [lo, hi) sit at base indices first..
-            key_lo = starts[first] if starts is not None else 0
-            key_hi = base_length - n + hi
-            args = (q[:, :, lo:hi], kv.base_keys[:, :, key_lo:key_hi], kv.base_values[:, :, key_lo:key_hi],
-                    None if chain_keys is None else chain_keys[:, :, lo:hi],
-                    None if chain_values is None else chain_values[:, :, lo:hi],
-                    None if kv.document_ids is None else kv.document_ids[:, key_lo:key_hi], first - key_lo)
-            outs.append(checkpoint(self._attend_rows, *args, use_reentrant=False) if torch.is_grad_enabled()
-                        else self._attend_rows(*args))
-        return torch.cat(outs, dim=2)
+        chunks = kv.chunks(n, size)
+        if torch.is_grad_enabled():
+            return attend_in_chunks(self._attend_rows, chunks, q, kv.base_keys, kv.base_values, chain_keys,
+                                    chain_values, documents)
+        return torch.cat([self._attend_rows(*chunk.inputs(q, kv.base_keys, kv.base_values, chain_keys, chain_values,
+                                                          documents)) for chunk in chunks], dim=2)
 
     def _attend_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      chain_keys: torch.Tensor | None, chain_values: torch.Tensor | None,
@@ -235,6 +245,68 @@ def sample_starts(document_ids: torch.Tensor) -> torch.Tensor:
     boundary = torch.ones_like(document_ids, dtype=torch.bool)
     boundary[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
     return torch.where(boundary, index, torch.zeros_like(index)).cummax(dim=1).values
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Queries [lo, hi) of a step over base keys [key_lo, key_hi); the first query sits at key index q_start of
+    that range."""
+
+    lo: int
+    hi: int
+    key_lo: int
+    key_hi: int
+    q_start: int
+
+    def inputs(self, q, keys, values, chain_keys, chain_values, documents) -> tuple:
+        """`DraftAttention._attend_rows`' arguments for this chunk (views of the whole step's tensors)."""
+        return (q[:, :, self.lo:self.hi], keys[:, :, self.key_lo:self.key_hi], values[:, :, self.key_lo:self.key_hi],
+                None if chain_keys is None else chain_keys[:, :, self.lo:self.hi],
+                None if chain_values is None else chain_values[:, :, self.lo:self.hi],
+                None if documents is None else documents[:, self.key_lo:self.key_hi], self.q_start)
+
+
+def attend_in_chunks(attend, chunks: list[Chunk], q, keys, values, chain_keys, chain_values, documents):
+    """`attend` (`DraftAttention._attend_rows`) chunk by chunk, the outputs concatenated along the queries, each
+    chunk recomputed in backward: memory linear in the row, as `torch.utils.checkpoint` per chunk, but with one
+    gradient buffer per input filled chunk by chunk in place, where per-chunk slicing under autograd zero-fills and
+    adds a whole-row gradient for every chunk (quadratic in the row) and builds a graph per chunk."""
+    return _ChunkedAttention.apply(attend, chunks, q, keys, values, chain_keys, chain_values, documents)
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    """`attend_in_chunks`: forward without a graph; backward recomputes each chunk under the forward's autocast
+    state and writes its input gradients into the slices of whole-tensor buffers (overlapping key ranges add)."""
+
+    @staticmethod
+    def forward(ctx, attend, chunks, q, keys, values, chain_keys, chain_values, documents):
+        ctx.attend, ctx.chunks = attend, chunks
+        device = q.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.save_for_backward(q, keys, values, chain_keys, chain_values, documents)
+        return torch.cat([attend(*chunk.inputs(q, keys, values, chain_keys, chain_values, documents))
+                          for chunk in chunks], dim=2)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, keys, values, chain_keys, chain_values, documents = ctx.saved_tensors
+        inputs = (q, keys, values, chain_keys, chain_values)
+        wanted = [t is not None and ctx.needs_input_grad[2 + i] for i, t in enumerate(inputs)]
+        grads = [torch.zeros_like(t) if want else None for t, want in zip(inputs, wanted, strict=True)]
+        device, enabled, dtype = ctx.autocast
+        for chunk in ctx.chunks:
+            *views, docs, q_start = chunk.inputs(q, keys, values, chain_keys, chain_values, documents)
+            leaves = [None if v is None else v.detach().requires_grad_(want) for v, want in zip(views, wanted)]
+            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+                out = ctx.attend(*leaves, docs, q_start)
+            needed = [leaf for leaf, want in zip(leaves, wanted, strict=True) if want]
+            parts = iter(torch.autograd.grad(out, needed, grad_out[:, :, chunk.lo:chunk.hi]))
+            for index, want in enumerate(wanted):
+                if not want:
+                    continue
+                span = (slice(chunk.key_lo, chunk.key_hi) if index in (1, 2) else slice(chunk.lo, chunk.hi))
+                grads[index][:, :, span] += next(parts)
+        return None, None, *grads, None
 
 
 class DraftDecoderLayer(nn.Module):

@@ -28,11 +28,10 @@ step 0, the number of leading steps whose argmax equals the target's; accept_len
 
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from specgen.draft.loss import TTTOutput, predicted_token_mask, same_document, shift_left
+from specgen.draft.loss import TTTOutput, predicted_token_mask, same_document, shift_left, soft_cross_entropy
 from specgen.draft.target_head import TargetDistribution
 from specgen.methods.eagle3.model import DraftKV, Eagle3Draft
 
@@ -108,8 +107,9 @@ def score_positions(draft: Eagle3Draft, outputs: torch.Tensor, target_probs: tor
 
 def _score(draft: Eagle3Draft, outputs: torch.Tensor, target_probs: torch.Tensor, rows: torch.Tensor,
            in_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    log_probs = F.log_softmax(draft.logits(outputs).float(), dim=-1)  # [N, Vd]
-    return -(target_probs[rows[in_loss]] * log_probs[in_loss]).sum(), log_probs.detach().argmax(-1)
+    logits = draft.logits(outputs).float()  # [N, Vd]
+    per_position = soft_cross_entropy(logits, target_probs.index_select(0, rows))
+    return torch.where(in_loss, per_position, 0).sum(), logits.detach().argmax(-1)
 
 
 class TTTObjective(nn.Module):

@@ -4,7 +4,6 @@
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specgen.draft.aux import num_aux_layers
@@ -13,6 +12,7 @@ from specgen.draft.loss import (
     predicted_token_mask,
     same_document,
     shift_left,
+    soft_cross_entropy,
     step_metrics,
 )
 from specgen.draft.target_head import TargetDistribution
@@ -102,16 +102,17 @@ def peagle_forward(draft: PEagleDraft, input_ids: torch.Tensor, loss_mask: torch
         else:
             out = draft(mask_ids, mask_hidden, position_ids + depth, kv, extend_base=False)
         predicted = scorable[depth][:, :scored]
-        log_probs = F.log_softmax(draft.logits(out[:, :scored][predicted]).float(), dim=-1)
+        logits = draft.logits(out[:, :scored][predicted]).float()
         target_argmax = target.argmax[:, 1 + depth:][predicted]
         in_vocab = draft.t2d[target_argmax.clamp(min=0)]
         in_loss = in_vocab if drop_out_of_vocab else torch.ones_like(in_vocab)
         if selection is not None:
             in_loss = in_loss & selection[depth][:, :scored][predicted]
-        loss_sum = -(target.probs[:, 1 + depth:][predicted][in_loss] * log_probs[in_loss]).sum()
+        per_position = soft_cross_entropy(logits, target.probs[:, 1 + depth:][predicted])
+        loss_sum = torch.where(in_loss, per_position, 0).sum()
         total, count = total + loss_sum, count + in_loss.sum()
         with torch.no_grad():
-            hits = draft.to_target_ids(log_probs.argmax(-1)) == target_argmax
+            hits = draft.to_target_ids(logits.argmax(-1)) == target_argmax
             right = torch.zeros_like(chain)
             right[:, :scored][predicted] = hits
             chain &= right

@@ -3,15 +3,16 @@
 # from the repository root, with the Llama-3.1 tokenizer and the alpaca rows at ../shared (or SPECGEN_SHARED=DIR
 # holding tokenizers/llama-3.1 and datasets/alpaca_en_demo.json: carry them as an ignored path, e.g. .gpu/shared):
 #   SPECGEN_SHARED=$PWD/.gpu/shared bash benchmarks/gpu_limit.sh      # timeout_s >= 540
-# The benchmark stops its own stages at BUDGET seconds (400); DEADLINE kills it. Then benchmarks/train_profile.py
+# The benchmark stops its own stages at BUDGET seconds (390); DEADLINE kills it. Then benchmarks/train_profile.py
 # says where the offline training step's time goes, on the default run's shards (PROFILE_S at most; all within 8 min).
 # Put the table on a dated docs page (docs/benchmarks/) and quote it in the README.
-# Local dry run: OUT=/tmp/o DEV=cpu SHAPE=tiny ROWS=16 PY=.venv/bin/python bash benchmarks/gpu_limit.sh
+# Local dry run: OUT=/tmp/o DEV=cpu SHAPE=tiny ROWS=16 PY=.venv/bin/python PROFILE_EXTRA=train.batch_tokens=1024 \
+#   bash benchmarks/gpu_limit.sh
 set -u
 start=$(date +%s); el() { echo $(( $(date +%s) - start )); }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-DEV=${DEV:-cuda}; SHAPE=${SHAPE:-8b}; ROWS=${ROWS:-600}; STEPS=${STEPS:-}; BUDGET=${BUDGET:-400}
-DEADLINE=${DEADLINE:-450}; PROFILE_S=${PROFILE_S:-75}; W=${W:-/tmp/gpu-limit}; PY=${PY:-python3}; OUT=${OUT:-/tmp/gpu-limit-out}
+DEV=${DEV:-cuda}; SHAPE=${SHAPE:-8b}; ROWS=${ROWS:-600}; STEPS=${STEPS:-}; BUDGET=${BUDGET:-390}
+DEADLINE=${DEADLINE:-440}; PROFILE_S=${PROFILE_S:-90}; W=${W:-/tmp/gpu-limit}; PY=${PY:-python3}; OUT=${OUT:-/tmp/gpu-limit-out}
 mkdir -p "$OUT"; rm -rf "$W"
 nvidia-smi -L 2>/dev/null; $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 timeout -k 10 "$DEADLINE" $PY benchmarks/gpu_limit.py --device "$DEV" --shape "$SHAPE" --rows "$ROWS" \

@@ -39,7 +39,7 @@ from specgen.config import settings_of
 from specgen.training.setup import Process, build_training
 
 PHASES = ("data", "target head", "forward", "backward", "optimizer", "rest")
-# op name -> kind, first match wins (aten op names, as torch.profiler lists them)
+# op name -> kind: the first kind one of whose fragments the name contains (aten op names, as torch.profiler lists them)
 KINDS = (
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::linear",
                 "aten::matmul", "aten::_flash", "aten::_efficient", "aten::_scaled_dot_product")),
@@ -59,8 +59,8 @@ KINDS = (
 
 
 def kind_of(name: str) -> str:
-    for kind, prefixes in KINDS:
-        if any(name.startswith(p) or p in name for p in prefixes):
+    for kind, fragments in KINDS:
+        if any(fragment in name for fragment in fragments):
             return kind
     return "other"
 

@@ -204,12 +204,8 @@ class DraftAttention(nn.Module):
         if size >= n:
             return self._attend_rows(q, kv.base_keys, kv.base_values, chain_keys, chain_values, documents,
                                      base_length - n)
-        chunks = kv.chunks(n, size)
-        if torch.is_grad_enabled():
-            return attend_in_chunks(self._attend_rows, chunks, q, kv.base_keys, kv.base_values, chain_keys,
-                                    chain_values, documents)
-        return torch.cat([self._attend_rows(*chunk.inputs(q, kv.base_keys, kv.base_values, chain_keys, chain_values,
-                                                          documents)) for chunk in chunks], dim=2)
+        return attend_in_chunks(self._attend_rows, kv.chunks(n, size), q, kv.base_keys, kv.base_values, chain_keys,
+                                chain_values, documents)
 
     def _attend_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      chain_keys: torch.Tensor | None, chain_values: torch.Tensor | None,
@@ -258,20 +254,31 @@ class Chunk:
     key_hi: int
     q_start: int
 
+    def spans(self) -> tuple[slice, ...]:
+        """The chunk's slice (dim 2) of each of q, keys, values, chain keys, chain values."""
+        queries, keys = slice(self.lo, self.hi), slice(self.key_lo, self.key_hi)
+        return queries, keys, keys, queries, queries
+
     def inputs(self, q, keys, values, chain_keys, chain_values, documents) -> tuple:
         """`DraftAttention._attend_rows`' arguments for this chunk (views of the whole step's tensors)."""
-        return (q[:, :, self.lo:self.hi], keys[:, :, self.key_lo:self.key_hi], values[:, :, self.key_lo:self.key_hi],
-                None if chain_keys is None else chain_keys[:, :, self.lo:self.hi],
-                None if chain_values is None else chain_values[:, :, self.lo:self.hi],
-                None if documents is None else documents[:, self.key_lo:self.key_hi], self.q_start)
+        views = [None if t is None else t[:, :, span]
+                 for t, span in zip((q, keys, values, chain_keys, chain_values), self.spans(), strict=True)]
+        return (*views, None if documents is None else documents[:, self.key_lo:self.key_hi], self.q_start)
 
 
 def attend_in_chunks(attend, chunks: list[Chunk], q, keys, values, chain_keys, chain_values, documents):
-    """`attend` (`DraftAttention._attend_rows`) chunk by chunk, the outputs concatenated along the queries, each
-    chunk recomputed in backward: memory linear in the row, as `torch.utils.checkpoint` per chunk, but with one
-    gradient buffer per input filled chunk by chunk in place, where per-chunk slicing under autograd zero-fills and
-    adds a whole-row gradient for every chunk (quadratic in the row) and builds a graph per chunk."""
-    return _ChunkedAttention.apply(attend, chunks, q, keys, values, chain_keys, chain_values, documents)
+    """`attend` (`DraftAttention._attend_rows`) chunk by chunk, the outputs concatenated along the queries. Where a
+    gradient is wanted each chunk is recomputed in backward: memory linear in the row, as `torch.utils.checkpoint`
+    per chunk, but with one gradient buffer per input filled chunk by chunk in place, where per-chunk slicing under
+    autograd zero-fills and adds a whole-row gradient for every chunk (quadratic in the row)."""
+    tensors = (q, keys, values, chain_keys, chain_values, documents)
+    if not torch.is_grad_enabled():
+        return _attend_all(attend, chunks, tensors)
+    return _ChunkedAttention.apply(attend, chunks, *tensors)
+
+
+def _attend_all(attend, chunks: list[Chunk], tensors: tuple) -> torch.Tensor:
+    return torch.cat([attend(*chunk.inputs(*tensors)) for chunk in chunks], dim=2)
 
 
 class _ChunkedAttention(torch.autograd.Function):
@@ -284,28 +291,24 @@ class _ChunkedAttention(torch.autograd.Function):
         device = q.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.save_for_backward(q, keys, values, chain_keys, chain_values, documents)
-        return torch.cat([attend(*chunk.inputs(q, keys, values, chain_keys, chain_values, documents))
-                          for chunk in chunks], dim=2)
+        return _attend_all(attend, chunks, (q, keys, values, chain_keys, chain_values, documents))
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, keys, values, chain_keys, chain_values, documents = ctx.saved_tensors
-        inputs = (q, keys, values, chain_keys, chain_values)
+        *inputs, documents = ctx.saved_tensors  # q, keys, values, chain keys, chain values; documents
         wanted = [t is not None and ctx.needs_input_grad[2 + i] for i, t in enumerate(inputs)]
         grads = [torch.zeros_like(t) if want else None for t, want in zip(inputs, wanted, strict=True)]
         device, enabled, dtype = ctx.autocast
         for chunk in ctx.chunks:
-            *views, docs, q_start = chunk.inputs(q, keys, values, chain_keys, chain_values, documents)
+            *views, docs, q_start = chunk.inputs(*inputs, documents)
             leaves = [None if v is None else v.detach().requires_grad_(want) for v, want in zip(views, wanted)]
             with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
                 out = ctx.attend(*leaves, docs, q_start)
             needed = [leaf for leaf, want in zip(leaves, wanted, strict=True) if want]
             parts = iter(torch.autograd.grad(out, needed, grad_out[:, :, chunk.lo:chunk.hi]))
-            for index, want in enumerate(wanted):
-                if not want:
-                    continue
-                span = (slice(chunk.key_lo, chunk.key_hi) if index in (1, 2) else slice(chunk.lo, chunk.hi))
-                grads[index][:, :, span] += next(parts)
+            for grad, span, want in zip(grads, chunk.spans(), wanted, strict=True):
+                if want:
+                    grad[:, :, span] += next(parts)
         return None, None, *grads, None
 
 

@@ -18,7 +18,7 @@
 # train.log says at which step. Each seed's draft comes back as C<seed>.st.NN pieces of 15 MiB (37 MB a draft: a
 # call returns 8 files, 64 MiB, so the first seed's whole and the rest's logs), and res.tgz holds the logs,
 # summaries, configs and the capture's manifest. Then here:
-#   mkdir -p C0 && tar xzf res.tgz -C /tmp/r && cp /tmp/r/C0/config.json C0/ && cat C0.st.* > C0/model.safetensors
+#   mkdir -p C0 /tmp/r && tar xzf res.tgz -C /tmp/r && cp /tmp/r/C0/config.json C0/ && cat C0.st.* > C0/model.safetensors
 #   python benchmarks/served_acceptance.py --target M --drafts C0 --ks 3 5 7 --vllm-python .venv-vllm/bin/python --out V
 # Local dry run (CPU, a few rows):
 #   OUT=/tmp/o DEV=cpu MODEL=M PY=.venv/bin/python DATA_ROWS=24 SEEDS="0 1" CAPTURE_EXTRA=runtime.threads=1 \

@@ -20,11 +20,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 TOKENIZERS
 DEV=${DEV:-cuda}; ROWS=${ROWS:-1000}; DEADLINE=${DEADLINE:-520}; W=${W:-/tmp/g}; PY=${PY:-python3}; SPY=${SPY:-python3}
 JA=${JA:-12}; JB=${JB:-6}
 mkdir -p $W
-if [ -z "${MODEL:-}" ]; then
-  cat /tmp/ga .gpu/g01 > /tmp/smol.gguf && sha256sum -c .gpu/gguf.sha256 || exit 1
-  $PY -m specgen.assets.smollm2 --gguf /tmp/smol.gguf --out $W/smol > $W/convert.log 2>&1 || { tail -5 $W/convert.log; exit 1; }
-  MODEL=$W/smol
-fi
+CONVERT_LOG=$W/convert.log; . benchmarks/lease_model.sh
 echo "model ready at $(el) s"; nvidia-smi -L 2>/dev/null
 COMMON=(--model $MODEL --prompts .gpu/data/prompts.jsonl --eval-prompts .gpu/data/mt_bench.jsonl --rows $ROWS
         --ttt-length 5 --eval-device $DEV ${EXTRA:-})

@@ -34,11 +34,7 @@ BENCH=${BENCH:-"--rows 256 --batch-size 128 --max-new-tokens 256"}
 REGEN=(runtime.device=$DEV runtime.threads=8 runtime.progress=false output.shard_size=128 regenerate.kv_cache=$KV
        regenerate.batch_size=${BS:-256} regenerate.batch_tokens=${BT:-1048576} ${REGEN_EXTRA:-})
 mkdir -p "$W/data" "$OUT"
-if [ -z "${MODEL:-}" ]; then
-  cat /tmp/ga .gpu/g01 > /tmp/smol.gguf && sha256sum -c .gpu/gguf.sha256 || exit 1
-  $PY -m specgen.assets.smollm2 --gguf /tmp/smol.gguf --out "$W/smol" > "$OUT/convert.log" 2>&1 || { tail -5 "$OUT/convert.log"; exit 1; }
-  MODEL=$W/smol
-fi
+CONVERT_LOG="$OUT/convert.log"; . benchmarks/lease_model.sh
 if [ ! -f "$PROMPTS" ]; then $PY -m specgen.assets.smollm2 --prompts "$W/prompts.jsonl" || exit 1
 else cp "$PROMPTS" "$W/prompts.jsonl"; fi
 [ -f "$DATA" ] && tar xzf "$DATA" -C "$W/data"

@@ -31,11 +31,7 @@ DEV=${DEV:-cuda}; DEADLINE=${DEADLINE:-470}; W=${W:-/tmp/pool}; PY=${PY:-python3
 EPOCHS=${EPOCHS:-5}; SEEDS=${SEEDS:-"0 1 2"}; DATA_ROWS=${DATA_ROWS:-null}
 KEPT=benchmarks/data/smollm2-135m
 mkdir -p "$W" "$OUT"
-if [ -z "${MODEL:-}" ]; then
-  cat /tmp/ga .gpu/g01 > /tmp/smol.gguf && sha256sum -c .gpu/gguf.sha256 || exit 1
-  $PY -m specgen.assets.smollm2 --gguf /tmp/smol.gguf --out "$W/smol" > "$OUT/convert.log" 2>&1 || { tail -5 "$OUT/convert.log"; exit 1; }
-  MODEL=$W/smol
-fi
+CONVERT_LOG="$OUT/convert.log"; . benchmarks/lease_model.sh
 echo "model ready at $(el) s"; nvidia-smi -L 2>/dev/null
 $PY -m specgen.generate recipe=smollm2-135m model.path="$MODEL" "data.path=[$KEPT/reply0,$KEPT/reply1,$KEPT/reply2]" \
   data.max_rows=$DATA_ROWS output.dir="$W/S" runtime.device=$DEV runtime.progress=false ${CAPTURE_EXTRA:-} > "$W/capture.log" 2>&1 \

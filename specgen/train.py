@@ -20,7 +20,7 @@ if __name__ == "__main__":  # a config error or `--cfg job` is answered before t
 import logging
 import shutil
 import time
-from contextlib import nullcontext
+from contextlib import closing, nullcontext
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -111,16 +111,18 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
     if settings.train.tensorboard:
         accelerator.init_trackers("tensorboard")
     process = Process.of(accelerator, log=accelerator.log if settings.train.tensorboard else None)
-    training = build_training(settings, process, out_dir, resume_from=resume_from, before_save=lease.check)
-    if resume:
-        _resume(training.trainer, resume_from)
-    start = time.perf_counter()
-    metrics = training.fit()
-    data = training.data
-    if isinstance(data.source, StreamBatches):
-        accelerator.wait_for_everyone()  # (before end_training, which ends the process group)
-        if process.is_main:
-            data.source.spool.finish()  # the capture servers that served this run exit
+    # closing: the DDP wrapper must not outlive the process group that end_training destroys (a hang at exit)
+    with closing(build_training(settings, process, out_dir, resume_from=resume_from,
+                                before_save=lease.check)) as training:
+        if resume:
+            _resume(training.trainer, resume_from)
+        start = time.perf_counter()
+        metrics = training.fit()
+        data = training.data
+        if isinstance(data.source, StreamBatches):
+            accelerator.wait_for_everyone()  # (before end_training, which ends the process group)
+            if process.is_main:
+                data.source.spool.finish()  # the capture servers that served this run exit
     accelerator.end_training()
     if process.is_main:
         fresh = not (resume or settings.draft.init)

@@ -603,3 +603,35 @@ def test_the_training_seam_trains_what_the_stage_trains(shards, uninterrupted, t
     assert training.trainer.state.step == 4
     ours, stage = load_file(out / "model.safetensors"), load_file(uninterrupted / "model.safetensors")
     assert ours.keys() == stage.keys() and all(torch.equal(ours[name], stage[name]) for name in ours)
+
+
+def test_ddp_close_frees_the_wrapper_while_the_process_group_lives(tmp_path):
+    """DDP's reducer holds the process group and is freed holding the GIL: freed after `end_training` destroyed the
+    group, it would run the group's destructor, which joins gloo's threads, one of which may wait for the GIL (a
+    hang at the end of a finished run, seen in CI). `close()` must free it at once, reference cycles included."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from specgen.training.strategy import DDPStrategy
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        gc.disable()  # only close() may collect
+        model = nn.Linear(4, 4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        strategy = DDPStrategy(model, optimizer, scheduler, device=torch.device("cpu"), world_size=2, grad_accum=1,
+                               grad_clip=0.0)
+        strategy.backward(strategy.forward(torch.randn(3, 4), sync=True).sum())
+        strategy.update(boundary=True)
+        wrapper = weakref.ref(strategy.wrapped)
+        assert isinstance(wrapper(), nn.parallel.DistributedDataParallel)
+        strategy.close()
+        assert wrapper() is None
+        assert strategy.wrapped is model
+    finally:
+        gc.enable()
+        dist.destroy_process_group()

@@ -74,6 +74,11 @@ class Training:
     def fit(self) -> dict:
         return self.trainer.fit()
 
+    def close(self) -> None:
+        """After fit (or its error): free what holds the process group, before `accelerator.end_training` destroys
+        it (`Strategy.close`)."""
+        self.trainer.strategy.close()
+
 
 def build_training(settings, process: Process, out_dir: Path, *, resume_from: Path | None = None,
                    before_save: Callable[[], None] = lambda: None) -> Training:

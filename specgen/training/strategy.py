@@ -9,6 +9,9 @@ The trainer only sees `forward`, `backward`, `step`, `save` and `load`; gradient
 learning-rate schedule behave the same in both.
 """
 
+import gc
+import logging
+import weakref
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
 from pathlib import Path
@@ -19,6 +22,8 @@ from torch import nn
 
 from specgen.errors import SpecgenError
 from specgen.store.commit import atomic_write
+
+log = logging.getLogger("specgen.train")
 
 
 class Strategy(ABC):
@@ -53,6 +58,10 @@ class Strategy(ABC):
     @abstractmethod
     def load(self, folder: Path) -> None: ...
 
+    def close(self) -> None:
+        """Let go of what holds the process group, before it is destroyed (`accelerator.end_training`): no
+        collective runs after this; `model` stays usable."""
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
             tensor = tensor.to(self.device)
@@ -73,6 +82,21 @@ class DDPStrategy(Strategy):
             self.wrapped = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
         else:
             self.wrapped = model
+
+    def close(self) -> None:
+        """Free the DDP wrapper now, while the process group is still registered. Its C++ reducer holds a reference
+        to the group and is destroyed holding the GIL: were it the group's last reference (after
+        `end_training`), the group's destructor would join gloo's worker threads, one of which may need the GIL
+        to free the tensors of the last barrier, and the process would hang at the end of a finished run."""
+        if self.wrapped is self.model:
+            return
+        wrapper = weakref.ref(self.wrapped)
+        self.wrapped = self.model
+        if wrapper() is not None:  # in a reference cycle (its hooks): collect it now rather than at a random time
+            gc.collect()
+        if wrapper() is not None:
+            log.warning("the DDP wrapper is still referenced after training: if it outlives the process group, "
+                        "this process may hang at exit")
 
     def forward(self, *args, sync: bool):
         no_sync = self.wrapped.no_sync() if not sync and self.world_size > 1 else nullcontext()

@@ -92,7 +92,7 @@ class DDPStrategy(Strategy):
             return
         wrapper = weakref.ref(self.wrapped)
         self.wrapped = self.model
-        if wrapper() is not None:  # in a reference cycle (its hooks): collect it now rather than at a random time
+        if wrapper() is not None:  # kept by a reference cycle: collect it now, not at some later moment
             gc.collect()
         if wrapper() is not None:
             log.warning("the DDP wrapper is still referenced after training: if it outlives the process group, "

@@ -608,7 +608,7 @@ def test_the_training_seam_trains_what_the_stage_trains(shards, uninterrupted, t
 def test_ddp_close_frees_the_wrapper_while_the_process_group_lives(tmp_path):
     """DDP's reducer holds the process group and is freed holding the GIL: freed after `end_training` destroyed the
     group, it would run the group's destructor, which joins gloo's threads, one of which may wait for the GIL (a
-    hang at the end of a finished run, seen in CI). `close()` must free it at once, reference cycles included."""
+    hang at the end of a finished run, seen in CI). `close()` must free it at once."""
     import gc
     import weakref
 

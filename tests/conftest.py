@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from specgen.runtime.reaper import descendants
+
 REPO = Path(__file__).resolve().parent.parent
 BUNDLED_CHAT = REPO / "specgen" / "assets" / "chat" / "train.jsonl"  # the bundled sample: data.path for tiny targets
 SHARED = REPO.parent / "shared"
@@ -104,30 +106,13 @@ def _signal_launch(pid: int, sig: int) -> None:
     """`sig` to every process a launcher started, then to its own group: torch's elastic agent starts each worker in
     a session of its own, which a signal to the launcher's group does not reach. The workers go first, so their
     stacks are printed (to the stderr they share with the launcher) before the launcher ends."""
-    for child in _descendants(pid):
+    for child in descendants([pid]):
         try:
             os.kill(child, sig)
         except ProcessLookupError:
             pass
     time.sleep(2 if sig == signal.SIGABRT else 0)
     _signal_group(pid, sig)
-
-
-def _descendants(pid: int) -> list[int]:
-    """The processes below `pid`, from /proc (empty where there is none)."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        children = parents.get(todo.pop(), [])
-        found += children
-        todo += children
-    return found
 
 
 _REPLAYER: dict = {}  # this test process's `tests/vllm_replay.py --serve` (started by the first in-process replay)

@@ -102,9 +102,7 @@ def main() -> None:
             variants.append(Variant(f"offline, DataLoader {workers} workers", training.trainer,
                                     iter(training.data.source.epoch(0))))
         training = make_trainer([*offline_keys, "train.num_workers=0"], tmp / "memory")
-        in_memory = [DraftBatch(*(t.clone() for t in (b.input_ids, b.loss_mask, b.aux_hidden_states,
-                                                      b.last_hidden_state, b.lengths, b.position_ids,
-                                                      b.document_ids)))
+        in_memory = [DraftBatch(*(t.clone() for t in b.tensors()), samples=b.samples)
                      for b in itertools.islice(training.data.source.epoch(0), needed)]
         variants.append(Variant("offline, batches in memory", training.trainer, iter(in_memory)))
         online = make_trainer([*keys, "mode=online"], tmp / "online")

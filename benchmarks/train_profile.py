@@ -7,7 +7,8 @@ loss, optimizer and batch plan unless key=value changes them) and `DraftTrainer.
 parts are timed where the trainer calls them, each between two device synchronisations:
 
   data        the next batch from the trainer's own loader (reading shards, collating)
-  target head the target's distribution at the scored positions (`TargetHead.distribution`: lm_head + softmax)
+  target head the target's distribution at the scored positions (`batch_target`: lm_head + softmax, and the
+              full-vocabulary argmax, or its `ArgmaxCache` after a sample's first epoch)
   forward     the method's objective: the draft unrolled over ttt_length steps, scored (`Strategy.forward`)
   backward    `Strategy.backward`
   optimizer   `Strategy.update` (clipping, the optimizer step, the schedule)
@@ -36,6 +37,7 @@ from pathlib import Path
 import torch
 
 from specgen.config import settings_of
+from specgen.training import trainer as trainer_module
 from specgen.training.setup import Process, build_training
 
 PHASES = ("data", "target head", "forward", "backward", "optimizer", "rest")
@@ -134,11 +136,11 @@ def main() -> None:
         training = build(args, Path(tmp) / "train", args.overrides)
         trainer = training.trainer
         clock = PhaseClock(device)
-        strategy, head = trainer.strategy, trainer.head
+        strategy = trainer.strategy
         strategy.forward = clock.wrap("forward", strategy.forward)
         strategy.backward = clock.wrap("backward", strategy.backward)
         strategy.update = clock.wrap("optimizer", strategy.update)
-        head.distribution = clock.wrap("target head", head.distribution)
+        trainer_module.batch_target = clock.wrap("target head", trainer_module.batch_target)
         # the batch plan's epochs one after the other (a small dataset is simply seen again)
         batches = itertools.chain.from_iterable(trainer.source.epoch(epoch) for epoch in itertools.count())
         fetch = clock.wrap("data", lambda: next(batches))

@@ -167,6 +167,7 @@ KEYS: dict[str, Key] = {
     "train.out_of_vocab": _k("str", choices=("drop", "keep")),
     "train.precision": _k("str", choices=("auto", "fp32", "bf16")),
     "train.num_workers": _k("int", min=0),
+    "train.cache_target_argmax": _k("bool|str", choices=("auto", True, False)),  # auto: when over one epoch
     "train.log_every": _k("int", min=POSITIVE),
     "train.save_every": _k("int", null=True, min=POSITIVE),
     "train.keep_checkpoints": _k("int", min=POSITIVE),

@@ -126,10 +126,11 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
     accelerator.end_training()
     if process.is_main:
         fresh = not (resume or settings.draft.init)
+        cache = training.trainer.head.argmax_cache
         print_summary(out_dir, data, training.draft, training.trainer.state, metrics, time.perf_counter() - start,
                       describe(training.optimizer), settings.draft.vocab_source if fresh else "checkpoint",
                       settings.draft.vocab_size if fresh else None, keep_best=settings.train.keep_best,
-                      ttt_length=settings.train.ttt_length)
+                      ttt_length=settings.train.ttt_length, target_head=cache.describe() if cache else None)
     return metrics
 
 

@@ -128,6 +128,21 @@ def test_draft_chunked_attention_and_scoring_on_cuda_equal_one_dense_pass(monkey
         torch.testing.assert_close(chunked_grads[name], dense_grads[name], rtol=1e-4, atol=1e-5)
 
 
+def test_a_pinned_batch_keeps_its_values_and_sample_identities():
+    """DataLoader(pin_memory=True), as offline training on CUDA builds it, pins every tensor of a DraftBatch."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    rows = [{"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.long),
+             "aux_hidden_states": torch.randn(n, 6), "last_hidden_state": torch.randn(n, 2), "sample_index": i}
+            for i, n in enumerate((5, 3))]
+    batch = collate(rows, packed=True)
+    pinned = pin_memory(batch)
+    assert all(t.is_pinned() for t in pinned.tensors())
+    assert all(torch.equal(a, b) for a, b in zip(pinned.tensors(), batch.tensors(), strict=True))
+    assert torch.equal(pinned.samples, batch.samples)
+    assert all(t.is_cuda for t in pinned.to("cuda").tensors())
+
+
 def test_train_on_cuda_from_shards_generated_there(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specgen.draft.batch import collate
+from specgen.draft.batch import batch_target, collate
 from specgen.draft.loss import predicted_token_mask, step_metrics, target_positions_needed
-from specgen.draft.target_head import TargetDistribution, TargetHead
+from specgen.draft.target_head import ArgmaxCache, TargetDistribution, TargetHead
 from specgen.draft.vocab import VocabMapping
 from specgen.methods.eagle3.ttt import ttt_forward
 from tests.test_draft_model import one_thread, tiny_draft, unroll  # noqa: F401 (fixture)
@@ -264,3 +264,59 @@ def test_long_steps_score_in_chunks_exactly_like_one_pass(monkeypatch):
     torch.testing.assert_close(chunked.loss, whole.loss, rtol=1e-5, atol=0)
     for name in whole_grads:
         torch.testing.assert_close(chunked_grads[name], whole_grads[name], rtol=1e-4, atol=1e-6)
+
+
+def _identified_rows(target_vocab: int, hidden: int) -> list[dict]:
+    """Four samples of a dataset (`sample_index`), the second starting on a trained token, so that packed after the
+    first its first loss-mask entry asks for the first sample's last position."""
+    masks = [[0, 0, 1, 1, 1, 0, 1], [1, 1, 0, 1], [0, 1, 1, 1, 1], [0, 0, 1]]
+    return [{"input_ids": torch.randint(0, target_vocab, (len(mask),)), "loss_mask": torch.tensor(mask),
+             "aux_hidden_states": torch.randn(len(mask), 3 * hidden),
+             "last_hidden_state": torch.randn(len(mask), hidden), "sample_index": index} for index, mask in enumerate(masks)]
+
+
+@pytest.mark.parametrize("mask_shift", [2, 1])
+def test_the_argmax_cache_gives_the_full_heads_distribution_whatever_the_batch(mask_shift):
+    """A head with an ArgmaxCache gives the plain head's argmax at every needed position and its probabilities (from
+    the draft vocabulary's rows alone), computes each sample's full-vocabulary argmax once, and stores the same
+    values whichever batch (packed with neighbours or padded alone) held the sample first."""
+    torch.manual_seed(2)
+    target_vocab, hidden = 60, 32
+    mapping = VocabMapping(torch.tensor(sorted(torch.randperm(target_vocab)[:20].tolist())), target_vocab)
+    weight = torch.randn(target_vocab, hidden)
+    plain = TargetHead(weight, mapping, chunk_tokens=3)
+    rows = _identified_rows(target_vocab, hidden)
+    lengths = [len(row["input_ids"]) for row in rows]
+    first, second = ArgmaxCache(lengths), ArgmaxCache(lengths)
+    cached, other = (TargetHead(weight, mapping, chunk_tokens=3, argmax_cache=c) for c in (first, second))
+    packed, padded = collate(rows[:3], packed=True), collate([rows[3], rows[1], rows[0]])
+    assert packed.samples.tolist() == [[0, 0, 0], [1, 0, 7], [2, 0, 11]]
+    assert padded.samples.tolist() == [[3, 0, 0], [1, 1, 0], [0, 2, 0]]
+    # The packed neighbour asks for sample 0's last position (mask_shift 2): the cache must know it.
+    assert not mask_shift == 2 or bool(target_positions_needed(packed.loss_mask, mask_shift)[0, 6])
+
+    for batch in (packed, padded, packed):
+        expected, got = plain.distribution(batch.last_hidden_state, target_positions_needed(batch.loss_mask,
+                                                                                             mask_shift)), \
+            batch_target(cached, batch, mask_shift)
+        assert torch.equal(got.argmax, expected.argmax)
+        torch.testing.assert_close(got.probs, expected.probs, rtol=1e-5, atol=1e-6)
+    # Hand-counted: mask_shift 2 needs t where mask[t + 1], plus each sample's last position (5 + 3 + 5 + 2);
+    # mask_shift 1 needs t where mask[t] (4 + 3 + 4 + 1).
+    assert first.computed_samples == 4 and first.computed_positions == {2: 15, 1: 12}[mask_shift]
+    assert first.reused_samples == 2 + 3  # sample 1 and 0 in the padded batch, all three in the second packed one
+    for batch in (padded, packed):  # the other order: the same stored values, to the bit
+        batch_target(other, batch, mask_shift)
+    assert torch.equal(first.values, second.values) and bool(first.known.all())
+
+
+def test_batches_without_sample_identity_use_the_full_head():
+    """Rows with no `sample_index` (online capture) carry no samples: the head computes the full vocabulary."""
+    torch.manual_seed(3)
+    rows = [{k: v for k, v in row.items() if k != "sample_index"} for row in _identified_rows(40, 16)]
+    mapping = VocabMapping(torch.arange(10) * 4, 40)
+    cache = ArgmaxCache([len(row["input_ids"]) for row in rows])
+    batch = collate(rows, packed=True)
+    assert batch.samples is None and batch.to("cpu").samples is None
+    batch_target(TargetHead(torch.randn(40, 16), mapping, argmax_cache=cache), batch)
+    assert cache.computed_samples == 0 and not bool(cache.known.any())

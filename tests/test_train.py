@@ -635,3 +635,32 @@ def test_ddp_close_frees_the_wrapper_while_the_process_group_lives(tmp_path):
     finally:
         gc.enable()
         dist.destroy_process_group()
+
+
+def test_the_target_argmax_cache_trains_as_the_full_head_does_and_resumes_exactly(shards, tmp_path, capsys):
+    """train.cache_target_argmax: over three epochs the draft trains as with the full LM head at every step (the same
+    figures, weights within float rounding: the probabilities come from the draft vocabulary's rows alone), each
+    sample's argmax is computed once and read back in the later epochs, and a run stopped inside the second epoch
+    (its cache lost) resumes to the uninterrupted run's weights exactly."""
+    common = [f"data.shards={shards}", "train.epochs=3", "train.batch_tokens=512"]
+    full, cached, pieces = tmp_path / "full", tmp_path / "cached", tmp_path / "pieces"
+    train([*common, f"output.dir={full}", "train.cache_target_argmax=false"])
+    assert "target head" not in capsys.readouterr().out
+    train([*common, f"output.dir={cached}", "train.cache_target_argmax=true"])
+    out = capsys.readouterr().out
+    lines = metrics(cached)
+    assert lines[-1]["epoch"] == 2  # three epochs
+    samples = int(re.search(r"\((\d+) samples\)", out).group(1))
+    assert f"of {samples} samples (each sample once); argmax read back for {2 * samples} samples" in out
+    for ours, plain in zip(lines, metrics(full), strict=True):
+        assert ours["loss"] == pytest.approx(plain["loss"], rel=1e-4)
+        assert ours["acc_0"] == pytest.approx(plain["acc_0"], abs=1e-6)
+    expected, got = load_file(full / "model.safetensors"), load_file(cached / "model.safetensors")
+    assert all(torch.allclose(expected[name], got[name], atol=1e-4) for name in expected)
+
+    per_epoch = sum(line["epoch"] == 0 for line in lines)
+    schedule = [*common, "train.cache_target_argmax=true", f"train.schedule_steps={len(lines)}"]
+    train([*schedule, f"output.dir={pieces}", f"train.max_steps={per_epoch + 1}"])
+    train([*schedule, f"output.dir={pieces}", f"train.max_steps={len(lines)}", "train.resume=true"])
+    expected, got = load_file(cached / "model.safetensors"), load_file(pieces / "model.safetensors")
+    assert all(torch.equal(expected[name], got[name]) for name in expected)

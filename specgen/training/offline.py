@@ -3,7 +3,7 @@
 from collections.abc import Iterable, Sequence
 from functools import partial
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from specgen.draft.batch import DraftBatch, collate
 from specgen.runtime.reaper import dataloader_worker_init
@@ -34,8 +34,21 @@ class OfflineBatches:
         batches = [[self.indices[i] for i in batch] for batch in self.plan.epoch(self.lengths, epoch)[skip:]]
         if not batches:
             return []
-        return DataLoader(self.dataset, batch_sampler=batches,
+        return DataLoader(Indexed(self.dataset), batch_sampler=batches,
                           collate_fn=partial(collate, packed=self.plan.packing), num_workers=self.num_workers,
                           pin_memory=self.pin_memory, persistent_workers=False, worker_init_fn=dataloader_worker_init,
                           prefetch_factor=4 if self.num_workers else None)
 
+
+class Indexed(Dataset):
+    """A dataset's rows with their index as `sample_index`: batches then say which samples they hold, which the
+    target head's `ArgmaxCache` keys on."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        return {**self.dataset[index], "sample_index": index}

@@ -18,7 +18,7 @@ from specgen.draft.aux import aux_layers_of
 from specgen.draft.checkpoint import load_draft, save_draft
 from specgen.draft.loss import MASK_SHIFTS
 from specgen.draft.speculative import TargetRunner
-from specgen.draft.target_head import TargetHead
+from specgen.draft.target_head import ArgmaxCache, TargetHead
 from specgen.draft.vocab import (
     TARGET_TOKEN_COUNTS,
     TOKEN_COUNTS,
@@ -29,6 +29,7 @@ from specgen.draft.vocab import (
 from specgen.errors import SpecgenError
 from specgen.runtime import load_tokenizer, resolve_model_dtype, stop_token_ids
 from specgen.training.data import TrainingData, offline_data, online_data, stream_data
+from specgen.training.offline import OfflineBatches
 from specgen.training.optim import build_optimizer
 from specgen.training.plan import BatchPlan
 from specgen.training.probe import AcceptanceProbe, HeldoutScore
@@ -95,9 +96,10 @@ def build_training(settings, process: Process, out_dir: Path, *, resume_from: Pa
     objective = method.objective(draft, train=settings.train, draft=settings.draft, seed=settings.runtime.seed,
                                  mask_shift=mask_shift(settings))
     shift = getattr(objective, "mask_shift", mask_shift(settings))  # DFlash always scores the predicted token (2)
-    head = TargetHead(data.lm_head.to(process.device), mapping_of(draft),
-                      chunk_tokens=settings.capture.lm_head_chunk_tokens)
     total_steps = training_steps(settings, data)
+    head = TargetHead(data.lm_head.to(process.device), mapping_of(draft),
+                      chunk_tokens=settings.capture.lm_head_chunk_tokens,
+                      argmax_cache=argmax_cache(settings, data, total_steps))
     optimizer = build_optimizer(draft, name=settings.train.optimizer, lr=settings.train.lr,
                                 betas=tuple(settings.train.betas), weight_decay=settings.train.weight_decay,
                                 muon_weight_decay=settings.train.muon_weight_decay, device=process.device)
@@ -142,6 +144,17 @@ def training_steps(settings, data: TrainingData) -> int:
         raise SpecgenError(f"nothing to train: {data.source.batches_per_epoch()} batches per epoch on each process "
                            f"and train.grad_accum={settings.train.grad_accum}; lower train.batch_tokens or grad_accum")
     return total_steps
+
+
+def argmax_cache(settings, data: TrainingData, total_steps: int) -> ArgmaxCache | None:
+    """train.cache_target_argmax: offline, the target's full-vocabulary argmax kept per sample after its first batch
+    (auto: where the run trains more than one epoch, so that some sample comes back)."""
+    wanted = settings.train.cache_target_argmax
+    if not isinstance(data.source, OfflineBatches) or wanted is False:
+        return None
+    if wanted == "auto" and total_steps * settings.train.grad_accum <= data.source.batches_per_epoch():
+        return None
+    return ArgmaxCache(data.source.dataset.lengths())
 
 
 def lr_scheduler(settings, optimizer: torch.optim.Optimizer, total_steps: int):

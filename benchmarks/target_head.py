@@ -20,11 +20,10 @@ from pathlib import Path
 
 import torch
 
-from specgen.config import settings_of
 from specgen.draft.batch import batch_target
 from specgen.draft.target_head import ArgmaxCache, TargetHead
 from specgen.draft.vocab import VocabMapping
-from specgen.training.setup import Process, build_training
+from train_profile import build  # benchmarks/, the script's folder
 
 
 def timed(device: torch.device, fn) -> tuple[float, list]:
@@ -50,10 +49,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
-        settings = settings_of("train", [f"data.shards={args.shards}", f"output.dir={Path(tmp) / 'train'}",
-                                         f"runtime.device={args.device}", "runtime.progress=false",
-                                         "train.tensorboard=false", *args.overrides])
-        training = build_training(settings, Process(device), Path(tmp) / "train")
+        training = build(args, Path(tmp) / "train", args.overrides)  # as train_profile.py builds it
     trainer = training.trainer
     shift, head = trainer.settings.mask_shift, trainer.head
     batches = [batch.to(device) for batch in islice(trainer.source.epoch(0), args.batches)]

@@ -11,7 +11,6 @@ vocabulary's rows only). Checks that the three give the same argmax and, within 
 probabilities. Prints one table (ms a batch, the median of --rounds, and the ratio to no cache).
 """
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -23,7 +22,7 @@ import torch
 from specgen.draft.batch import batch_target
 from specgen.draft.target_head import ArgmaxCache, TargetHead
 from specgen.draft.vocab import VocabMapping
-from train_profile import build  # benchmarks/, the script's folder
+from train_profile import build, parse, training_parser  # benchmarks/, the script's folder
 
 
 def timed(device: torch.device, fn) -> tuple[float, list]:
@@ -37,16 +36,10 @@ def timed(device: torch.device, fn) -> tuple[float, list]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shards", type=Path, required=True, help="shards from specgen generate")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = training_parser(__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, default=24, help="batches of the first epoch timed")
     parser.add_argument("--rounds", type=int, default=3, help="rounds (each with a fresh cache); the median is kept")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    parser.add_argument("overrides", nargs="*", help="specgen train key=value overrides")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse(parser)
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
         training = build(args, Path(tmp) / "train", args.overrides)  # as train_profile.py builds it

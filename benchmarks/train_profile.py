@@ -92,6 +92,25 @@ class PhaseClock:
         return timed
 
 
+def training_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments every script that builds a training here takes (--shards, --device, --threads, overrides);
+    `parse` applies --threads."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--shards", type=Path, required=True, help="shards from specgen generate")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    parser.add_argument("overrides", nargs="*", help="specgen train key=value overrides")
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parsed arguments of a `training_parser`, --threads applied."""
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
 def build(args, out_dir: Path, overrides: list[str]):
     """The training `specgen train` builds for these keys, on one process of --device."""
     settings = settings_of("train", [f"data.shards={args.shards}", f"output.dir={out_dir}",
@@ -118,19 +137,13 @@ def op_table(prof, device: torch.device, steps: int) -> tuple[dict, list, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shards", type=Path, required=True, help="shards from specgen generate")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = training_parser(__doc__.split("\n")[0])
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=8, help="steps timed phase by phase")
     parser.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler after them")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     parser.add_argument("--top", type=int, default=12, help="ops listed")
     parser.add_argument("--out", type=Path, default=None, help="folder for table.md and profile.json")
-    parser.add_argument("overrides", nargs="*", help="specgen train key=value overrides")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse(parser)
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
         training = build(args, Path(tmp) / "train", args.overrides)

@@ -90,22 +90,29 @@ def batch_target(head: TargetHead, batch: DraftBatch, mask_shift: int = 2) -> Ta
 def cached_argmax(head: TargetHead, batch: DraftBatch, mask_shift: int = 2) -> torch.Tensor:
     """[B, T] (host) the target's full-vocabulary argmax wherever a batch can need it, -1 elsewhere. A sample the
     head's cache does not know yet is computed whole (`TargetHead.sample_argmax`): the positions its own loss mask
-    needs, and its last `mask_shift - 1`, which a packed neighbour's loss mask can ask for."""
+    needs, and its last `mask_shift - 1`, which a packed neighbour's loss mask can ask for. The batch's new
+    argmaxes come back to the host in one copy (one device sync a batch, not one a sample)."""
     cache = head.argmax_cache
-    argmax = torch.full(batch.input_ids.shape, -1, dtype=torch.long)
-    for (sample, row, start), length in zip(batch.samples.tolist(), batch.lengths.tolist()):
-        span = cache.span(sample)
-        if cache.known[sample]:
-            cache.reused_samples += 1
-        else:
-            own = target_positions_needed(batch.loss_mask[row, start:start + length][None], mask_shift)[0]
+    identified = list(zip(batch.samples.tolist(), batch.lengths.tolist()))
+    new = [(sample, row, start, length) for (sample, row, start), length in identified if not cache.known[sample]]
+    if new:
+        loss_mask = batch.loss_mask.cpu()
+        positions, computed = [], []
+        for sample, row, start, length in new:
+            own = target_positions_needed(loss_mask[row, start:start + length][None], mask_shift)[0]
             own[max(length - (mask_shift - 1), 0):] = True
-            positions = own.nonzero().squeeze(1)
-            values = torch.full((length,), -1, dtype=torch.int32)
-            values[positions.cpu()] = head.sample_argmax(batch.last_hidden_state[row, start + positions]).int()
-            cache.values[span] = values
+            positions.append(own.nonzero().squeeze(1))
+            computed.append(head.sample_argmax(batch.last_hidden_state[row, start + positions[-1]]))
+        computed = torch.cat(computed).cpu().split([len(p) for p in positions])
+        for (sample, _, _, length), where, values in zip(new, positions, computed):
+            stored = torch.full((length,), -1, dtype=torch.int32)
+            stored[where] = values
+            cache.values[cache.span(sample)] = stored
             cache.known[sample] = True
-            cache.computed_positions += len(positions)
+            cache.computed_positions += len(where)
             cache.computed_samples += 1
-        argmax[row, start:start + length] = cache.values[span]
+    cache.reused_samples += len(identified) - len(new)
+    argmax = torch.full(batch.input_ids.shape, -1, dtype=torch.long)
+    for (sample, row, start), length in identified:
+        argmax[row, start:start + length] = cache.values[cache.span(sample)]
     return argmax

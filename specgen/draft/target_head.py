@@ -161,7 +161,7 @@ class TargetHead:
 
     @torch.no_grad()
     def sample_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary argmax [N] (on the host) of one sample's positions hidden [N, H], in chunks counted from
-        the sample's first position: the result depends on the sample alone."""
-        return torch.cat([self._logits(hidden[start:start + self.chunk_tokens], self.weight).argmax(-1).cpu()
+        """Full-vocabulary argmax [N] (on the head's device, int32) of one sample's positions hidden [N, H], in
+        chunks counted from the sample's first position: the result depends on the sample alone."""
+        return torch.cat([self._logits(hidden[start:start + self.chunk_tokens], self.weight).argmax(-1).int()
                           for start in range(0, len(hidden), self.chunk_tokens)])

@@ -90,20 +90,24 @@ def batch_target(head: TargetHead, batch: DraftBatch, mask_shift: int = 2) -> Ta
 def cached_argmax(head: TargetHead, batch: DraftBatch, mask_shift: int = 2) -> torch.Tensor:
     """[B, T] (host) the target's full-vocabulary argmax wherever a batch can need it, -1 elsewhere. A sample the
     head's cache does not know yet is computed whole (`TargetHead.sample_argmax`): the positions its own loss mask
-    needs, and its last `mask_shift - 1`, which a packed neighbour's loss mask can ask for. The batch's new
-    argmaxes come back to the host in one copy (one device sync a batch, not one a sample)."""
+    needs, and its last `mask_shift - 1`, which a packed neighbour's loss mask can ask for. The loss mask comes to
+    the host, the new samples' positions are gathered on the device and their argmaxes come back, each in one copy a
+    batch (a few device syncs a batch, not a few a sample)."""
     cache = head.argmax_cache
     identified = list(zip(batch.samples.tolist(), batch.lengths.tolist()))
     new = [(sample, row, start, length) for (sample, row, start), length in identified if not cache.known[sample]]
     if new:
         loss_mask = batch.loss_mask.cpu()
-        positions, computed = [], []
+        positions, rows = [], []
         for sample, row, start, length in new:
             own = target_positions_needed(loss_mask[row, start:start + length][None], mask_shift)[0]
             own[max(length - (mask_shift - 1), 0):] = True
             positions.append(own.nonzero().squeeze(1))
-            computed.append(head.sample_argmax(batch.last_hidden_state[row, start + positions[-1]]))
-        computed = torch.cat(computed).cpu().split([len(p) for p in positions])
+            rows.append(torch.full_like(positions[-1], row))
+        counts = [len(where) for where in positions]
+        starts = torch.tensor([start for _, _, start, _ in new]).repeat_interleave(torch.tensor(counts))
+        hidden = batch.last_hidden_state[torch.cat(rows), starts + torch.cat(positions)]
+        computed = torch.cat([head.sample_argmax(one) for one in hidden.split(counts)]).cpu().split(counts)
         for (sample, _, _, length), where, values in zip(new, positions, computed):
             stored = torch.full((length,), -1, dtype=torch.int32)
             stored[where] = values

@@ -320,3 +320,17 @@ def test_batches_without_sample_identity_use_the_full_head():
     assert batch.samples is None and batch.to("cpu").samples is None
     batch_target(TargetHead(torch.randn(40, 16), mapping, argmax_cache=cache), batch)
     assert cache.computed_samples == 0 and not bool(cache.known.any())
+
+
+def test_sample_argmax_is_chunk_independent_and_takes_a_sample_with_no_needed_position():
+    """`TargetHead.sample_argmax` gives the full-vocabulary argmax whatever the chunk size, as int32, and an empty
+    result (not an error) for a sample with no needed position."""
+    torch.manual_seed(4)
+    weight, hidden = torch.randn(50, 16), torch.randn(7, 16)
+    mapping = VocabMapping(torch.arange(10), 50)
+    expected = (hidden @ weight.T).argmax(-1)
+    for chunk in (1, 3, 7, 100):
+        got = TargetHead(weight, mapping, chunk_tokens=chunk).sample_argmax(hidden)
+        assert got.dtype == torch.int32 and torch.equal(got.long(), expected)
+    empty = TargetHead(weight, mapping).sample_argmax(hidden[:0])
+    assert empty.dtype == torch.int32 and empty.shape == (0,)

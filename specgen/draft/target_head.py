@@ -163,5 +163,6 @@ class TargetHead:
     def sample_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary argmax [N] (on the head's device, int32) of one sample's positions hidden [N, H], in
         chunks counted from the sample's first position: the result depends on the sample alone."""
-        return torch.cat([self._logits(hidden[start:start + self.chunk_tokens], self.weight).argmax(-1).int()
-                          for start in range(0, len(hidden), self.chunk_tokens)])
+        chunks = [self._logits(hidden[start:start + self.chunk_tokens], self.weight).argmax(-1).int()
+                  for start in range(0, len(hidden), self.chunk_tokens)]
+        return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int32, device=self.weight.device)

@@ -172,7 +172,7 @@ KEYS: dict[str, Key] = {
     "train.save_every": _k("int", null=True, min=POSITIVE),
     "train.keep_checkpoints": _k("int", min=POSITIVE),
     "train.resume": _k("bool"),
-    "train.tensorboard": _k("bool"),
+    "train.tensorboard": _k("bool|str", choices=("auto", True, False)),  # auto: when tensorboard is installed
     "train.eval_every": _k("int", min=0),
     "train.eval_prompts": _k("str", null=True),
     "train.eval_max_prompts": _k("int", min=POSITIVE),

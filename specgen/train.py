@@ -71,6 +71,7 @@ def run(cfg: DictConfig) -> dict:
     if cfg.distributed.strategy == "deepspeed" and zero_stage == 3:
         raise SpecgenError("distributed.deepspeed.zero_optimization.stage=3 partitions the draft's weights, which "
                            "specgen saves, probes and exports whole; use stage 1 or 2 (distributed=zero2)")
+    tensorboard_on(cfg.train.tensorboard)  # true without the package: fails here, before anything loads
     set_threads(cfg.runtime.threads)
     accelerator = _accelerator(cfg)
     is_main = accelerator.is_main_process
@@ -108,9 +109,10 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
         _claim_output_dir(out_dir, resume=resume, overwrite=settings.output.overwrite)
     accelerator.wait_for_everyone()
     resume_from = _resume_checkpoint(out_dir) if resume else None
-    if settings.train.tensorboard:
+    tensorboard = tensorboard_on(settings.train.tensorboard)
+    if tensorboard:
         accelerator.init_trackers("tensorboard")
-    process = Process.of(accelerator, log=accelerator.log if settings.train.tensorboard else None)
+    process = Process.of(accelerator, log=accelerator.log if tensorboard else None)
     # closing: the DDP wrapper must not outlive the process group that end_training destroys (a hang at exit)
     with closing(build_training(settings, process, out_dir, resume_from=resume_from,
                                 before_save=lease.check)) as training:
@@ -130,7 +132,8 @@ def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
         print_summary(out_dir, data, training.draft, training.trainer.state, metrics, time.perf_counter() - start,
                       describe(training.optimizer), settings.draft.vocab_source if fresh else "checkpoint",
                       settings.draft.vocab_size if fresh else None, keep_best=settings.train.keep_best,
-                      ttt_length=settings.train.ttt_length, target_head=cache.describe() if cache else None)
+                      ttt_length=settings.train.ttt_length, target_head=cache.describe() if cache else None,
+                      tensorboard=_tensorboard_line(out_dir, settings.train.tensorboard, tensorboard))
     return metrics
 
 
@@ -160,12 +163,32 @@ def _resume(trainer, checkpoint: Path) -> None:
                            "train.resume (output.overwrite=true) or from a copy of an intact checkpoint")
 
 
+def tensorboard_on(setting: bool | str) -> bool:
+    """train.tensorboard resolved: `auto` logs when accelerate finds a TensorBoard writer installed (the `dev` extra
+    has one, the plain install not); `true` without one is an error rather than a run that logs nothing."""
+    from accelerate.utils import is_tensorboard_available
+
+    if setting == "auto":
+        return is_tensorboard_available()
+    if setting and not is_tensorboard_available():
+        raise SpecgenError("train.tensorboard=true needs the tensorboard package: pip install tensorboard, or set "
+                           "train.tensorboard=auto (logs when it is installed) or false")
+    return bool(setting)
+
+
+def _tensorboard_line(out_dir: Path, setting: bool | str, on: bool) -> str:
+    if on:
+        return str(out_dir / "tensorboard")
+    return ("off (train.tensorboard=auto: the tensorboard package is not installed; pip install tensorboard)"
+            if setting == "auto" else "off (train.tensorboard=false)")
+
+
 def _accelerator(cfg: DictConfig):
     """The process group (gloo on CPU, nccl on GPU) and TensorBoard tracker, via accelerate."""
     from accelerate import Accelerator
 
     use_cpu = resolve_device(cfg.runtime.device).type == "cpu"
-    return Accelerator(cpu=use_cpu, log_with="tensorboard" if cfg.train.tensorboard else None,
+    return Accelerator(cpu=use_cpu, log_with="tensorboard" if tensorboard_on(cfg.train.tensorboard) else None,
                        project_dir=cfg.output.dir)
 
 

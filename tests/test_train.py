@@ -664,3 +664,31 @@ def test_the_target_argmax_cache_trains_as_the_full_head_does_and_resumes_exactl
     train([*schedule, f"output.dir={pieces}", f"train.max_steps={len(lines)}", "train.resume=true"])
     expected, got = load_file(cached / "model.safetensors"), load_file(pieces / "model.safetensors")
     assert all(torch.equal(expected[name], got[name]) for name in expected)
+
+
+def test_tensorboard_auto_logs_when_installed_and_says_so(shards, tmp_path, capsys):
+    """train.tensorboard=auto (the default) logs into output.dir/tensorboard where the package is installed (the dev
+    extra has it) and the summary names the folder."""
+    pytest.importorskip("tensorboard")
+    ckpt = tmp_path / "ckpt"
+    train([f"data.shards={shards}", f"output.dir={ckpt}", "train.max_steps=2", "train.tensorboard=auto"])
+    assert list((ckpt / "tensorboard").rglob("events.out.tfevents.*"))
+    assert re.search(r"tensorboard\s+" + re.escape(str(ckpt / "tensorboard")), capsys.readouterr().out)
+
+
+def test_tensorboard_without_the_package(monkeypatch, shards, tmp_path, capsys):
+    """Without a TensorBoard writer installed (a plain `pip install specgen`): auto trains without logging and says so
+    in the summary; true fails before anything loads, naming the key; false is off."""
+    import accelerate.utils
+
+    from specgen.train import tensorboard_on
+
+    monkeypatch.setattr(accelerate.utils, "is_tensorboard_available", lambda: False)
+    assert tensorboard_on("auto") is False and tensorboard_on(False) is False
+    with pytest.raises(SpecgenError, match=r"train\.tensorboard=true needs the tensorboard package"):
+        train([f"data.shards={shards}", f"output.dir={tmp_path / 'refused'}", "train.tensorboard=true"])
+    assert not (tmp_path / "refused").exists()
+    ckpt = tmp_path / "ckpt"
+    train([f"data.shards={shards}", f"output.dir={ckpt}", "train.max_steps=1", "train.tensorboard=auto"])
+    assert not (ckpt / "tensorboard").exists()
+    assert "off (train.tensorboard=auto: the tensorboard package is not installed" in capsys.readouterr().out

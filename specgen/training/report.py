@@ -44,7 +44,8 @@ def serve_line(out_dir: Path, target: str, draft: nn.Module, ttt_length: int) ->
 
 def print_summary(out_dir: Path, data: TrainingData, draft: nn.Module, state: TrainerState, metrics: dict,
                    seconds: float, optimizer: str, vocab_source: str = "data", vocab_asked: int | None = None,
-                   keep_best: str | None = None, *, ttt_length: int, target_head: str | None = None) -> None:
+                   keep_best: str | None = None, *, ttt_length: int, target_head: str | None = None,
+                   tensorboard: str | None = None) -> None:
     accuracies = " ".join(f"{metrics[k]:.2f}" for k in sorted((k for k in metrics if k.startswith("acc_")),
                                                               key=lambda k: int(k.split("_")[1])))
     print(format_table([
@@ -80,4 +81,5 @@ def print_summary(out_dir: Path, data: TrainingData, draft: nn.Module, state: Tr
         *([("stream", f"this process: {data.source.report()}")] if isinstance(data.source, StreamBatches) else []),
         ("serve", serve_line(out_dir, data.target_path, draft, ttt_length)),
         ("metrics", str(out_dir / METRICS)),
+        *([("tensorboard", tensorboard)] if tensorboard else []),
     ]))

@@ -8,6 +8,7 @@ Both folders sit at the repository's top; the wheel carries them inside the pack
 `recipe=` also takes a path to a recipe file of the user's own (`recipe=./my_recipe.yaml`).
 """
 
+import difflib
 import functools
 import sys
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specgen.assets import asset_path
 from specgen.errors import SpecgenError
-from specgen.schema import KEYS, REFERENCE, closest_key, is_missing, settings, validate
+from specgen.schema import KEYS, REFERENCE, closest_key, is_missing, leaves, settings, validate
 
 # Nothing imported above imports torch: `check_command_line` answers a config error or `--cfg job` in about a second
 # (tests/test_config.py checks it); torch, transformers and a stage's model code cost ~7 CPU-seconds to import.
@@ -252,17 +253,29 @@ def compose(config_name: str, overrides: list[str] | tuple[str, ...] = ()) -> Di
         try:
             cfg = hydra_compose(config_name, overrides=_hydra_argv(list(overrides), config_name))
         except (HydraException, OmegaConfBaseException) as error:
-            raise SpecgenError(_one_line(str(error), config_name)) from None
+            raise SpecgenError(_one_line(str(error), config_name,
+                                         lambda: list(leaves(hydra_compose(config_name))))) from None
     return finalize(cfg, config_name, list(overrides))
 
 
-def _one_line(message: str, stage: str) -> str:
-    """Hydra's composition error as one line; a key of another stage says so."""
+def _one_line(message: str, stage: str, stage_keys: Callable[[], list[str]]) -> str:
+    """Hydra's composition error as one line; a key of another stage says so, and names this stage's key of the
+    nearest name (`data.max_rows` given to evaluate: `evaluate.max_prompts`), if one is near."""
     first = message.strip().splitlines()[0]
     if first.startswith("Could not override '"):
         key = first.split("'")[1]
-        return f"{key} is not a key of specgen.{stage} (it belongs to another stage); see {REFERENCE}"
+        return (f"{key} is not a key of specgen.{stage} (it belongs to another stage{_nearest(key, stage_keys())}); "
+                f"see {REFERENCE}")
     return first
+
+
+def _nearest(key: str, stage_keys: list[str]) -> str:
+    """'; here: X' for the key of `stage_keys` whose last part is nearest to `key`'s, or '' when none is near."""
+    by_name = {}
+    for name in stage_keys:
+        by_name.setdefault(name.rsplit(".", 1)[-1], name)
+    match = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(by_name), n=1, cutoff=0.7)
+    return f"; here: {by_name[match[0]]}" if match else ""
 
 
 def to_container(cfg: DictConfig) -> dict:

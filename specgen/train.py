@@ -41,6 +41,7 @@ from specgen.runtime import resolve_device, set_threads
 from specgen.schema import settings as typed_settings
 from specgen.store.lease import hold_job_lease
 from specgen.stream import StreamBatches
+from specgen.training.data import check_shards_given
 from specgen.training.optim import describe
 from specgen.training.report import print_summary
 from specgen.training.setup import Process, build_training
@@ -71,6 +72,8 @@ def run(cfg: DictConfig) -> dict:
     if cfg.distributed.strategy == "deepspeed" and zero_stage == 3:
         raise SpecgenError("distributed.deepspeed.zero_optimization.stage=3 partitions the draft's weights, which "
                            "specgen saves, probes and exports whole; use stage 1 or 2 (distributed=zero2)")
+    if cfg.mode == "offline":
+        check_shards_given(cfg.data.shards)
     tensorboard_on(cfg.train.tensorboard)  # true without the package: fails here, before anything loads
     set_threads(cfg.runtime.threads)
     accelerator = _accelerator(cfg)

@@ -72,7 +72,9 @@ def test_embedded_default_caps_only_itself():
     ("capture.logits=foo", "capture.logits=foo is not one of none | topk | full"),
     ("data.max_length=0", "data.max_length=0 must be >= 1"),
     ("output.shard_size=abc", "output.shard_size='abc' must be an int"),
-    ("train.lr=0.1", "train.lr is not a key of specgen.generate"),
+    ("train.lr=0.1", "train.lr is not a key of specgen.generate (it belongs to another stage); see"),
+    ("train.batch_tokens=64", "train.batch_tokens is not a key of specgen.generate (it belongs to another stage; "
+                              "here: capture.batch_tokens)"),
     ("data.path=/d.jsonl", "model.path is required by specgen.generate"),
     ("output.dir=", "output.dir is an empty string (an unset shell variable?): pass output.dir=VALUE"),
     ("model.path=/m data.path=[/d.jsonl,'']", "data.path is an empty string (an unset shell variable?): pass "
@@ -163,3 +165,11 @@ def test_configs_and_recipes_sit_at_the_top_of_a_checkout():
     assert CONF_DIR == REPO / "conf" and (CONF_DIR / "generate.yaml").is_file()
     assert RECIPES_DIR == REPO / "recipes" and (RECIPES_DIR / "demo.yaml").is_file()
     assert not (REPO / "specgen" / "conf").exists()
+
+
+def test_a_key_of_another_stage_names_the_nearest_key_here():
+    """What a user tries first: the first N rows for evaluate is evaluate.max_prompts (not data.max_rows, which `specgen
+    run` gives to generate alone)."""
+    with pytest.raises(SpecgenError, match=re.escape("data.max_rows is not a key of specgen.evaluate (it belongs to "
+                                                     "another stage; here: evaluate.max_prompts)")):
+        compose("evaluate", ["data.max_rows=3"])

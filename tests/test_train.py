@@ -692,3 +692,16 @@ def test_tensorboard_without_the_package(monkeypatch, shards, tmp_path, capsys):
     train([f"data.shards={shards}", f"output.dir={ckpt}", "train.max_steps=1", "train.tensorboard=auto"])
     assert not (ckpt / "tensorboard").exists()
     assert "off (train.tensorboard=auto: the tensorboard package is not installed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("shards, message", [(None, "offline training needs data.shards=DIR"),
+                                             ("missing", "does not exist: pass a specgen generate output.dir")])
+def test_offline_training_without_its_shards_fails_before_taking_output_dir(shards, message, tmp_path):
+    """No data.shards, or one that is not there: a one-line error naming the key, and output.dir is left untouched
+    (no lease, no TensorBoard folder)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    given = [] if shards is None else [f"data.shards={tmp_path / shards}"]
+    with pytest.raises(SpecgenError, match=re.escape(message)):
+        train([*given, f"output.dir={ckpt}", "train.tensorboard=auto"])
+    assert not any(ckpt.iterdir())

@@ -57,11 +57,19 @@ class TrainingData:
     heldout: Callable[[], list] | None = None  # the batches of the samples kept out of training (offline)
 
 
-def offline_data(settings, plan: BatchPlan, device: torch.device) -> TrainingData:
-    """Shards of `data.shards`; the target (LM head + embedding only) is the manifest's unless model.path is set."""
-    if settings.data.shards is None:
+def check_shards_given(shards: str | None) -> None:
+    """Offline training's source named and present (checked before a run takes its output.dir)."""
+    if shards is None:
         raise SpecgenError("offline training needs data.shards=DIR (a specgen.generate output.dir), or mode=online "
                            "with model.path and data.path")
+    if not Path(shards).exists():
+        raise SpecgenError(f"data.shards={shards} does not exist: pass a specgen generate output.dir or one shard "
+                           "file")
+
+
+def offline_data(settings, plan: BatchPlan, device: torch.device) -> TrainingData:
+    """Shards of `data.shards`; the target (LM head + embedding only) is the manifest's unless model.path is set."""
+    check_shards_given(settings.data.shards)
     dataset = open_shards(settings.data.shards)
     manifest = dataset.manifest
     if manifest is None:

@@ -216,6 +216,14 @@ def test_killed_writer_leaves_only_removable_partial_files(tmp_path, at_commit):
     assert files_in(tmp_path) == {"shard-00000.arrow", "shard-00000.json"}
 
 
+def test_a_folder_killed_before_its_first_shard_says_how_to_finish_it(tmp_path):
+    """Only a half-written shard (a generate run killed early): reading it says to finish it with generate."""
+    (tmp_path / "shard-00000.arrow.tmp").write_bytes(b"partial")
+    with pytest.raises(SpecgenError, match=r"no finished shards in .*: finish it with specgen generate \(the same "
+                                           r"command and output.dir resume"):
+        open_shards(tmp_path)
+
+
 def test_truncated_shard_is_not_finished(tmp_path):
     spec = ShardSpec(hidden_size=8, num_aux=2, dtype="float32")
     write_shard(tmp_path, 0, spec, make_rows(spec, [3]))

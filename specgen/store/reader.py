@@ -102,7 +102,8 @@ def _shard_paths(path: Path) -> tuple[list[Path], dict | None]:
         return shards, manifest
     shards = list(finished_shards(path).values())
     if not shards:
-        raise SpecgenError(f"no finished shards in {path}: run the capture stage first")
+        raise SpecgenError(f"no finished shards in {path}: finish it with specgen generate (the same command and "
+                           "output.dir resume an interrupted run)")
     return shards, None
 
 

@@ -74,9 +74,9 @@ def run(cfg: DictConfig) -> dict:
                            "specgen saves, probes and exports whole; use stage 1 or 2 (distributed=zero2)")
     if cfg.mode == "offline":
         check_shards_given(cfg.data.shards)
-    tensorboard_on(cfg.train.tensorboard)  # true without the package: fails here, before anything loads
+    tensorboard = tensorboard_on(cfg.train.tensorboard)  # true without the package: fails here, before anything loads
     set_threads(cfg.runtime.threads)
-    accelerator = _accelerator(cfg)
+    accelerator = _accelerator(cfg, tensorboard)
     is_main = accelerator.is_main_process
     out_dir = Path(cfg.output.dir)
     # Before anything else touches output.dir: another live job on it is refused here, in one line.
@@ -88,7 +88,7 @@ def run(cfg: DictConfig) -> dict:
                         stale_s=cfg.output.lease_stale_s) as lease, \
             (hold_job_lease(cfg.stream.dir, stage="train", is_main=is_main, broadcast=_broadcaster(accelerator),
                             stale_s=cfg.output.lease_stale_s) if streaming else nullcontext()):
-        return train_into(cfg, accelerator, out_dir, lease)
+        return train_into(cfg, accelerator, out_dir, lease, tensorboard)
 
 
 def _broadcaster(accelerator):
@@ -104,15 +104,15 @@ def _broadcaster(accelerator):
     return broadcast
 
 
-def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease) -> dict:
-    """The training job once its main process holds the lease on `out_dir` (checked before each save)."""
+def train_into(cfg: DictConfig, accelerator, out_dir: Path, lease, tensorboard: bool) -> dict:
+    """The training job once its main process holds the lease on `out_dir` (checked before each save); `tensorboard`:
+    train.tensorboard resolved (`tensorboard_on`)."""
     settings = typed_settings(cfg)
     resume = settings.train.resume
     if accelerator.is_main_process:
         _claim_output_dir(out_dir, resume=resume, overwrite=settings.output.overwrite)
     accelerator.wait_for_everyone()
     resume_from = _resume_checkpoint(out_dir) if resume else None
-    tensorboard = tensorboard_on(settings.train.tensorboard)
     if tensorboard:
         accelerator.init_trackers("tensorboard")
     process = Process.of(accelerator, log=accelerator.log if tensorboard else None)
@@ -186,12 +186,12 @@ def _tensorboard_line(out_dir: Path, setting: bool | str, on: bool) -> str:
             if setting == "auto" else "off (train.tensorboard=false)")
 
 
-def _accelerator(cfg: DictConfig):
+def _accelerator(cfg: DictConfig, tensorboard: bool):
     """The process group (gloo on CPU, nccl on GPU) and TensorBoard tracker, via accelerate."""
     from accelerate import Accelerator
 
     use_cpu = resolve_device(cfg.runtime.device).type == "cpu"
-    return Accelerator(cpu=use_cpu, log_with="tensorboard" if tensorboard_on(cfg.train.tensorboard) else None,
+    return Accelerator(cpu=use_cpu, log_with="tensorboard" if tensorboard else None,
                        project_dir=cfg.output.dir)
 
 

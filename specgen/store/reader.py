@@ -85,11 +85,16 @@ class _BatchColumns:
         return item
 
 
+def check_dataset_path(path: Path) -> None:
+    """A dataset is a folder (a specgen output directory) or one shard file; anything else is refused here."""
+    if not (path.is_file() or path.is_dir()):
+        raise SpecgenError(f"{path} does not exist: pass a specgen output directory or one shard file")
+
+
 def _shard_paths(path: Path) -> tuple[list[Path], dict | None]:
+    check_dataset_path(path)
     if path.is_file():
         return [path], None
-    if not path.is_dir():
-        raise SpecgenError(f"{path} does not exist: pass a specgen output directory or one shard file")
     if (path / MANIFEST).exists():
         manifest = read_manifest(path)
         if "shards" not in manifest:

@@ -27,7 +27,7 @@ from specgen.draft.vocab import (
 )
 from specgen.errors import SpecgenError
 from specgen.runtime import load_tokenizer, resolve_model_dtype
-from specgen.store.reader import open_shards
+from specgen.store.reader import check_dataset_path, open_shards
 from specgen.stream import FileTransport, Spool, StreamBatches, StreamSettings
 from specgen.stream.spool import OBJECTS
 from specgen.training.offline import OfflineBatches
@@ -62,9 +62,7 @@ def check_shards_given(shards: str | None) -> None:
     if shards is None:
         raise SpecgenError("offline training needs data.shards=DIR (a specgen.generate output.dir), or mode=online "
                            "with model.path and data.path")
-    if not Path(shards).exists():
-        raise SpecgenError(f"data.shards={shards} does not exist: pass a specgen generate output.dir or one shard "
-                           "file")
+    check_dataset_path(Path(shards))
 
 
 def offline_data(settings, plan: BatchPlan, device: torch.device) -> TrainingData:

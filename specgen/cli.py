@@ -11,7 +11,7 @@ from specgen.config import check_command_line
 
 STAGES = {
     "generate": "conversations -> target capture -> Arrow shards",
-    "train": "train an EAGLE-3 draft (offline from shards, or online)",
+    "train": "train a draft: EAGLE-3, EAGLE-3.1, P-EAGLE or DFlash (offline from shards, online, or disaggregated)",
     "evaluate": "acceptance length of a draft by speculative decoding, and a lossless check",
     "verify": "audit a generated dataset",
     "regenerate": "replace assistant turns with the target's own answers",
@@ -23,7 +23,8 @@ CONFIGURED = set(STAGES) - {"run"}  # the Hydra stages (`specgen run` checks its
 
 
 def usage() -> str:
-    rows = "\n".join(f"  {name:<11} {what}" for name, what in STAGES.items())
+    width = max(map(len, STAGES))
+    rows = "\n".join(f"  {name:<{width}}  {what}" for name, what in STAGES.items())
     return f"usage: specgen STAGE [recipe=NAME] [key=value ...]\n\nstages:\n{rows}\n"
 
 

@@ -11,6 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import BUNDLED_CHAT, REPO
+from specgen import cli
 from specgen.config import CONF_DIR, RECIPES_DIR, compose
 from specgen.errors import SpecgenError
 from specgen.schema import KEYS, leaves
@@ -156,7 +157,10 @@ def test_console_command_runs_a_stage(tmp_path):
     assert proc.returncode != 0
     assert proc.stderr.strip() == "error: data.shards is required by specgen.verify: pass data.shards=..."
     help_text = subprocess.run([sys.executable, "-m", "specgen.cli", "--help"], capture_output=True, text=True)
-    assert help_text.returncode == 0 and "generate" in help_text.stdout
+    assert help_text.returncode == 0
+    stage_rows = help_text.stdout.split("stages:\n")[1].splitlines()
+    assert [row.split()[0] for row in stage_rows if row] == list(cli.STAGES)
+    assert len({len(row) - len(row.split(maxsplit=1)[1]) for row in stage_rows if row}) == 1  # one description column
 
 
 def test_configs_and_recipes_sit_at_the_top_of_a_checkout():

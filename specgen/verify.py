@@ -26,7 +26,7 @@ from specgen.errors import SpecgenError
 from specgen.runtime import resolve_device, set_threads
 from specgen.progress import format_table
 from specgen.store.manifest import read_manifest, shard_checksums
-from specgen.store.reader import open_shards, shard_checksum_problems
+from specgen.store.reader import check_dataset_path, open_shards, shard_checksum_problems
 
 log = logging.getLogger("specgen.verify")
 
@@ -132,6 +132,7 @@ def check_checksums(out_dir: Path, manifest: dict) -> tuple[list[str], str]:
 def run(cfg: DictConfig) -> None:
     set_threads(cfg.runtime.threads)
     out_dir = Path(cfg.data.shards)
+    check_dataset_path(out_dir, key="data.shards")  # not there: say so (read_manifest would call it unfinished)
     manifest = read_manifest(out_dir)
     problems, checksum_row = check_checksums(out_dir, manifest)  # fast, and names every damaged shard
     rows = [("dataset", str(out_dir)), ("checksums", checksum_row)]

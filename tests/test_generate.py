@@ -335,6 +335,16 @@ def test_verify_passes_and_catches_a_wrong_model(small_target, tmp_path):
     assert bad.returncode == 1 and "differs from the HF forward" in bad.stderr
 
 
+def test_verify_of_a_folder_that_is_not_there_says_so(tmp_path):
+    """Not "the run did not finish; re-run the same command" (what a folder without its manifest gets): the key and
+    the path, and what to pass instead."""
+    proc = subprocess.run([sys.executable, "-m", "specgen.verify", f"data.shards={tmp_path / 'nope'}"], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == (f"error: data.shards={tmp_path / 'nope'} does not exist: pass a "
+                                                    "specgen output directory or one shard file")
+
+
 def test_verify_takes_pooled_replies_that_share_an_id_and_catches_a_row_stored_twice(small_target, tmp_path):
     """Replies regenerated from one prompt keep its id, so a pooled dataset holds one id several times: only the
     same id with the same tokens is a problem (a source listed twice here, as a row written twice would be)."""

@@ -695,13 +695,14 @@ def test_tensorboard_without_the_package(monkeypatch, shards, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("shards, message", [(None, "offline training needs data.shards=DIR"),
-                                             ("missing", "missing does not exist: pass a specgen output directory or one shard file")])
+                                             ("missing", "data.shards={path} does not exist: pass a specgen output "
+                                                         "directory or one shard file")])
 def test_offline_training_without_its_shards_fails_before_taking_output_dir(shards, message, tmp_path):
     """No data.shards, or one that is not there: a one-line error naming the key, and output.dir is left untouched
     (no lease, no TensorBoard folder)."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     given = [] if shards is None else [f"data.shards={tmp_path / shards}"]
-    with pytest.raises(SpecgenError, match=re.escape(message)):
+    with pytest.raises(SpecgenError, match=re.escape(message.format(path=tmp_path / str(shards)))):
         train([*given, f"output.dir={ckpt}", "train.tensorboard=auto"])
     assert not any(ckpt.iterdir())

@@ -85,10 +85,12 @@ class _BatchColumns:
         return item
 
 
-def check_dataset_path(path: Path) -> None:
-    """A dataset is a folder (a specgen output directory) or one shard file; anything else is refused here."""
+def check_dataset_path(path: Path, key: str | None = None) -> None:
+    """A dataset is a folder (a specgen output directory) or one shard file; anything else is refused here, naming
+    `key` (the setting that gave the path, e.g. "data.shards") where there is one."""
     if not (path.is_file() or path.is_dir()):
-        raise SpecgenError(f"{path} does not exist: pass a specgen output directory or one shard file")
+        given = f"{key}={path}" if key else str(path)
+        raise SpecgenError(f"{given} does not exist: pass a specgen output directory or one shard file")
 
 
 def _shard_paths(path: Path) -> tuple[list[Path], dict | None]:

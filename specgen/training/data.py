@@ -62,7 +62,7 @@ def check_shards_given(shards: str | None) -> None:
     if shards is None:
         raise SpecgenError("offline training needs data.shards=DIR (a specgen.generate output.dir), or mode=online "
                            "with model.path and data.path")
-    check_dataset_path(Path(shards))
+    check_dataset_path(Path(shards), key="data.shards")
 
 
 def offline_data(settings, plan: BatchPlan, device: torch.device) -> TrainingData:
